@@ -1,0 +1,3 @@
+from lit.cli import main
+
+main()
