@@ -8,6 +8,7 @@ logged as ``train/version/<component>`` and travel in checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,14 +34,32 @@ class SyncPlan:
         if source_version % self.every:
             return False
         d = float(self.decay(source_version))
-        src = dict(card[self.source].named_parameters())
-        for name, p in card[self.target].named_parameters():
-            p.lerp_(src[name].to(p.dtype), 1.0 - d)
-        src_buffers = dict(card[self.source].named_buffers())
-        for name, b in card[self.target].named_buffers():
-            if b.is_floating_point():
-                b.lerp_(src_buffers[name].to(b.dtype), 1.0 - d)
+        source, target = _unwrap(card[self.source]), _unwrap(card[self.target])
+        with _gathered(source), _gathered(target, modifier=True):
+            src = dict(source.named_parameters())
+            for name, p in target.named_parameters():
+                p.lerp_(src[name].to(p.dtype), 1.0 - d)
+            src_buffers = dict(source.named_buffers())
+            for name, b in target.named_buffers():
+                if b.is_floating_point():
+                    b.lerp_(src_buffers[name].to(b.dtype), 1.0 - d)
         return True
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DeepSpeed engine (``lit.strategy`` puts engines on the card)."""
+    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
+
+
+def _gathered(model: torch.nn.Module, modifier: bool = False):
+    """Full ZeRO-3 parameters for the duration (collective: every process runs the sync plans); a
+    modified target is written back from rank 0, where every process computed the same values."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modifier else None)
 
 
 def constant(decay: float) -> Callable[[int], float]:

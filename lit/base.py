@@ -13,6 +13,7 @@ It owns plumbing only — never a method's algorithm:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from typing import Any, Optional
@@ -63,21 +64,43 @@ class ExpertModule(LightningModule):
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
         if not self.card.built:
-            self.card.build()
-            self.setup_roles()
+            # a sharding strategy builds its sharded experts under its own context (deepspeed.zero.Init)
+            # and gathers them while roles copy them
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            self.card.build(init_context=getattr(strategy, "expert_init_context", None))
+            gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
+            with gathered(self.card):
+                self.setup_roles()
 
     def setup_roles(self) -> None:
         """Methods add frozen roles (``card.add_role``) and sync plans here, after the card is built."""
 
     def setup(self, stage: str) -> None:
+        sharded = [name for name, spec in self.card.specs.items() if spec.sharded]
+        if sharded and not hasattr(self.trainer.strategy, "expert_backward"):
+            raise ValueError(
+                f"experts {sharded} have `sharded: true`, but trainer.strategy is "
+                f"{type(self.trainer.strategy).__name__}, which does not shard: set `trainer.strategy: "
+                f"{{class_path: lit.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
         self.generator = torch.Generator().manual_seed(self.seed + self.global_rank)
 
     def configure_callbacks(self):
         return [IterationCounter(), WeightVersions()]
 
+    @property
+    def engine_experts(self) -> dict[str, Any]:
+        """Experts whose optimizer lives in a DeepSpeed engine of the strategy (name -> engine)."""
+        trainer = self._trainer
+        return getattr(trainer.strategy, "engines", {}) if trainer is not None else {}
+
+    @property
+    def plain_trainable(self) -> list[str]:
+        """Trainable experts with a plain optimizer from ``configure_optimizers``, in card order."""
+        return [name for name in self.card.trainable if name not in self.engine_experts]
+
     def configure_optimizers(self):
         configs = []
-        for name in self.card.trainable:
+        for name in self.plain_trainable:
             spec = self.card.specs[name]
             optimizer = spec.optimizer(self.card.parameters_of(name))
             config: dict[str, Any] = {"optimizer": optimizer}
@@ -85,18 +108,22 @@ class ExpertModule(LightningModule):
                 config["lr_scheduler"] = {"scheduler": spec.scheduler(optimizer), "interval": "step",
                                           "name": f"lr/{name}"}
             configs.append(config)
-        return configs
+        return configs or None
 
     # ------------------------------------------------------------------ experts
     def optimizer_of(self, name: str) -> torch.optim.Optimizer:
+        if name in self.engine_experts:
+            return self.engine_experts[name].optimizer
         optimizers = self.optimizers(use_pl_optimizer=False)
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        return optimizers[self.card.trainable.index(name)]
+        return optimizers[self.plain_trainable.index(name)]
 
     def scheduler_of(self, name: str):
         if self.card.specs[name].scheduler is None:
             return None
-        with_sched = [n for n in self.card.trainable if self.card.specs[n].scheduler is not None]
+        if name in self.engine_experts:
+            return self.engine_experts[name].lr_scheduler
+        with_sched = [n for n in self.plain_trainable if self.card.specs[n].scheduler is not None]
         schedulers = self.lr_schedulers()
         schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
         return schedulers[with_sched.index(name)]
@@ -203,7 +230,7 @@ class ExpertModule(LightningModule):
             "generators": generators,
             "micro": dict(self._micro),
             "nan_streak": self._nan_streak,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate()},
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -217,12 +244,25 @@ class ExpertModule(LightningModule):
         self._micro = dict(state["micro"])
         self._nan_streak = state["nan_streak"]
         torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
+        _set_numpy_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+
+
+def _numpy_state() -> dict:
+    """numpy's RNG state in types that ``torch.load(weights_only=True)`` accepts."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "gauss": float(gauss)}
+
+
+def _set_numpy_state(state: dict) -> None:
+    np.random.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                         state["gauss"]))
 
 
 def model_config(model: torch.nn.Module) -> dict:
     """The constructor config of a diffusers or transformers model, as a plain dict."""
+    model = getattr(model, "module", model) if type(model).__name__ == "DeepSpeedEngine" else model
     config = getattr(model, "config", None)
     if config is None:
         return {}

@@ -1,0 +1,55 @@
+"""Test-only pieces: a two-expert method, a callback that SIGKILLs its own process, quick trainers."""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lit.base import ExpertModule
+from modules import vae as vae_codec
+from modules.losses import flow_matching_loss, noised
+from modules.samplers import wan_velocity
+
+
+class TwoExperts(ExpertModule):
+    """Finetune two generators (``transformer`` and ``critic``) on the same batch, two optimizers."""
+
+    def __init__(self, card, seed: int = 0, nan_at: int | None = None, **kwargs):
+        super().__init__(card, seed=seed, **kwargs)
+        self.nan_at = nan_at
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        x0 = vae_codec.encode(self.card["vae"], batch["video"])
+        cond = self.card.prompt_embeds(list(batch["prompt"]))
+        for name in ("transformer", "critic"):
+            sigma = torch.rand(x0.shape[0], generator=self.generator)
+            noise = torch.randn(x0.shape, generator=self.generator)
+            v = wan_velocity(self.card[name])(noised(x0, noise, sigma), sigma, cond)
+            loss = flow_matching_loss(v, x0, noise)[0].mean()
+            if self.nan_at is not None and self.calls >= self.nan_at and name == "transformer":
+                loss = loss * float("nan")
+            self.step_experts(loss, [name])
+            self.log(f"train/loss/{name}", loss)
+
+
+class KillAt(Callback):
+    """SIGKILL this process at the end of iteration ``iteration`` (a real crash, no clean-up)."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def quick_trainer(max_steps: int, **kwargs) -> Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0)
+    defaults.update(kwargs)
+    return Trainer(**defaults)

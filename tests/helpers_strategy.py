@@ -1,0 +1,119 @@
+"""Helpers of tests/test_strategy.py: run configs, a kill switch, a two-expert method.
+
+Runs go through the real ``posttrain fit`` command in a subprocess: Lightning's launcher then starts
+the second process by re-running that command (it cannot re-run pytest). ``PYTHONPATH`` carries this
+folder so that YAML ``class_path: helpers_strategy.…`` resolves in both processes.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Optional
+
+import torch
+import yaml
+from lightning.pytorch import Callback
+
+from lit.base import ExpertModule
+from modules import vae as vae_codec
+from modules.cards import ModelCard
+from modules.losses import flow_matching_loss, noised, sample_sigmas
+from modules.samplers import wan_velocity
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SIZE = {"frames": 5, "height": 32, "width": 32}
+ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_decay": 0.01}}
+
+
+def expert(zero_stage: Optional[int], **extra) -> dict:
+    """A trainable tiny Wan transformer; ``zero_stage=None`` keeps it under plain DDP."""
+    spec: dict[str, Any] = {"arch": "wan_t2v", "trainable": True, "optimizer": ADAMW}
+    if zero_stage is not None:
+        spec.update(sharded=True, zero={"stage": zero_stage})
+    return spec | extra
+
+
+def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: int = 2,
+           model: str = "lit.finetune.Finetune", experts: Optional[dict] = None, callbacks: list = (),
+           sharding_strategy: Optional[bool] = None, **model_args) -> str:
+    """Write a small fit config under ``root`` (checkpoints in ``root/ckpt`` every 2 iterations)."""
+    sharding = zero_stage is not None if sharding_strategy is None else sharding_strategy
+    cards = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}, "transformer": expert(zero_stage)}
+    cards.update(experts or {})
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": max_steps, "accelerator": "cpu", "devices": devices,
+            "strategy": {"class_path": "lit.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
+            "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+            "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
+            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                           "init_args": {"dirpath": os.path.join(root, "ckpt"), "every_n_train_steps": 2,
+                                         "save_last": True, "save_top_k": 0}}, *callbacks],
+        },
+        "model": {"class_path": model, "init_args": {"card": {"experts": cards}, **SIZE, **model_args}},
+        "data": {"class_path": "datamodules.synthetic.SyntheticVideos",
+                 "init_args": {"num_samples": 16, "batch_size": 2, **SIZE}},
+    }
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "config.in.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def fit(config_path: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+               WANDB_MODE="offline", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "lit", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def weights(ckpt: str, component: str) -> dict[str, torch.Tensor]:
+    """``component``'s full weights from a ``.ckpt`` file or a sharded checkpoint folder."""
+    from lit.export import load_checkpoint
+
+    prefix = f"card.models.{component}."
+    state = load_checkpoint(ckpt)["state_dict"]
+    return {k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)}
+
+
+class KillAfter(Callback):
+    """SIGKILL every process after ``iteration`` iterations: no teardown, no final checkpoint."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TwoExperts(ExpertModule):
+    """Test-only method with two trainable experts and two losses: the ``transformer`` regresses the
+    flow-matching velocity; the ``critic`` (a second Wan) regresses the transformer's detached
+    prediction, as a DMD2 fake-score critic does. One ``step_experts`` per expert."""
+
+    def __init__(self, card: ModelCard, seed: int = 0, frames: int = 5, height: int = 32, width: int = 32):
+        super().__init__(card, seed=seed, frames=frames, height=height, width=width)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x0 = vae_codec.encode(self.card["vae"], batch["video"])
+        cond = self.card.prompt_embeds(list(batch["prompt"])).to(self.device)
+        sigma = sample_sigmas(x0.shape[0], "uniform", self.generator)
+        noise = torch.randn(x0.shape, generator=self.generator)
+        x_sigma = noised(x0, noise, sigma)
+        # 1. generator: flow matching
+        v = wan_velocity(self.card["transformer"])(x_sigma, sigma, cond)
+        loss, _ = flow_matching_loss(v, x0, noise)
+        self.step_experts(loss.mean(), ["transformer"])
+        # 2. critic: regress the generator's (detached) velocity
+        v_critic = wan_velocity(self.card["critic"])(x_sigma, sigma, cond)
+        critic_loss = (v_critic.float() - v.detach().float()).pow(2).mean()
+        self.step_experts(critic_loss, ["critic"])
+        self.log("train/loss", loss.mean().detach(), on_step=True)
+        return loss.mean().detach()

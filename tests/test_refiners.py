@@ -1,0 +1,163 @@
+"""Refiner LM sampling and losses (modules/refiners.py) on the real tiny Qwen2 preset."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from modules.presets import build_model, build_tokenizer
+from modules.refiners import (
+    EOS_ID,
+    PAD_ID,
+    Refinements,
+    allowed_tokens,
+    completion_log_probs,
+    compose_prompt,
+    encode_contexts,
+    k3_kl,
+    sample_refinements,
+    target_probability,
+    token_pg_loss,
+)
+
+PROMPTS = ["a red circle moving left on a blue background", "a cat", "x"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return build_model("qwen2").eval(), build_tokenizer()
+
+
+def test_token_pg_loss_hand_derived():
+    """Rows: lp = [-1, -2, pad], A = 2 and lp = [-0.5, pad, pad], A = -1.
+
+    exp(lp - sg(lp)) = 1, so the value per token is -A: row 0 mean(-2, -2) = -2, row 1 = 1.
+    d/d lp_t = -A / n_tokens: row 0 -> -1, -1, 0 (pad); row 1 -> +1, 0, 0.
+    """
+    lp = torch.tensor([[-1.0, -2.0, -7.0], [-0.5, -3.0, -4.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    per_sample, metrics = token_pg_loss(lp, torch.tensor([2.0, -1.0]), mask)
+    assert torch.allclose(per_sample, torch.tensor([-2.0, 1.0]))
+    per_sample.sum().backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert metrics["tokens"].item() == 1.5
+
+
+def test_k3_kl_hand_derived():
+    """lp = log 0.5, ref = log 0.25: d = ref - lp = log 0.5; k3 = 0.5 - log 0.5 - 1 = 0.19315.
+
+    d k3 / d lp = 1 - exp(d) = 0.5, divided by the row's 2 tokens -> 0.25; equal lp and ref give 0.
+    """
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)], [math.log(0.3), 0.0]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.25)], [math.log(0.3), -9.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    per_sample, _ = k3_kl(lp, ref, mask)
+    expected = 0.5 - math.log(0.5) - 1
+    assert torch.allclose(per_sample, torch.tensor([expected, 0.0]), atol=1e-6)
+    per_sample.sum().backward()
+    assert torch.allclose(lp.grad, torch.tensor([[0.25, 0.25], [0.0, 0.0]]), atol=1e-6)
+
+
+def test_loss_shape_errors():
+    with pytest.raises(ValueError, match=r"token_pg_loss: log_probs \(2, 3\)"):
+        token_pg_loss(torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k3_kl"):
+        k3_kl(torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_compose_prompt_in_order_skipping_empty():
+    assert compose_prompt("a red circle", ["bright", "", " slow "]) == "a red circle, bright, slow"
+    assert compose_prompt("a red circle", []) == "a red circle"
+
+
+def test_allowed_tokens_are_bytes_and_eos():
+    allowed = allowed_tokens(384)
+    assert allowed.sum().item() == 256 + 1
+    assert allowed[EOS_ID] and allowed[3] and allowed[258]
+    assert not allowed[PAD_ID] and not allowed[2] and not allowed[259]
+    with pytest.raises(ValueError, match="byte_tokens"):
+        allowed_tokens(100)
+
+
+def test_contexts_are_left_padded():
+    ids, mask = encode_contexts(build_tokenizer(), ["ab", "a"], template="{prompt}")
+    assert ids.tolist() == [[3 + ord("a"), 3 + ord("b")], [PAD_ID, 3 + ord("a")]]
+    assert mask.tolist() == [[1, 1], [0, 1]]
+    with pytest.raises(ValueError, match="no prompts"):
+        encode_contexts(build_tokenizer(), [])
+
+
+def test_sampling_emits_only_bytes_and_is_seeded(lm):
+    """The random LM gives ~1/3 of its mass to special and extra ids: unmasked, 128 draws would hit them."""
+    model, tok = lm
+    a = sample_refinements(model, tok, PROMPTS * 4, torch.Generator().manual_seed(1), max_new_tokens=16)
+    b = sample_refinements(model, tok, PROMPTS * 4, torch.Generator().manual_seed(1), max_new_tokens=16)
+    c = sample_refinements(model, tok, PROMPTS * 4, torch.Generator().manual_seed(2), max_new_tokens=16)
+    emitted = a.tokens[a.mask]
+    assert emitted.numel() > 100
+    assert allowed_tokens(384)[emitted].all()
+    assert torch.equal(a.tokens, b.tokens) and a.texts == b.texts
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def test_eos_ends_a_completion_and_padding_is_masked(lm):
+    """With bytes 3…4 allowed, EOS is one of three choices: most rows stop early."""
+    model, tok = lm
+    r = sample_refinements(model, tok, PROMPTS * 4, torch.Generator().manual_seed(0), max_new_tokens=8,
+                           byte_tokens=(3, 4))
+    stopped = 0
+    for row_tokens, row_mask, row_lp in zip(r.tokens.tolist(), r.mask.tolist(), r.log_probs.tolist()):
+        if EOS_ID in row_tokens:
+            stopped += 1
+            end = row_tokens.index(EOS_ID)
+            assert row_mask == [True] * (end + 1) + [False] * (len(row_mask) - end - 1)
+            assert all(t == PAD_ID for t in row_tokens[end + 1:])
+            assert all(v == 0.0 for v in row_lp[end + 1:])
+            assert all(v < 0.0 for v in row_lp[: end + 1])
+    assert stopped >= 6
+    assert all(set(text) <= {"\x00", "\x01"} for text in r.texts)
+
+
+def test_recomputed_log_probs_equal_captured_padded_or_not(lm):
+    """The LM's C2 identity: one forward over context + completion reproduces the sampling log-probs,
+    and left padding changes nothing (each row recomputed alone, unpadded)."""
+    model, tok = lm
+    r = sample_refinements(model, tok, PROMPTS, torch.Generator().manual_seed(3), max_new_tokens=8)
+    assert (completion_log_probs(model, r) - r.log_probs).abs().max() < 1e-5
+    for i in range(len(PROMPTS)):
+        row = r.select(torch.tensor([i]))
+        keep = row.context_mask[0].bool()
+        alone = Refinements(row.texts, row.tokens, row.mask, row.log_probs, row.context_ids[:, keep],
+                            row.context_mask[:, keep])
+        assert (completion_log_probs(model, alone) - row.log_probs).abs().max() < 1e-5
+
+
+def test_positive_advantage_raises_sampled_completion_and_kl_to_copy_is_zero(lm):
+    model, tok = lm
+    model = copy.deepcopy(model).train()
+    reference = copy.deepcopy(model).eval()
+    r = sample_refinements(model, tok, PROMPTS, torch.Generator().manual_seed(4), max_new_tokens=8)
+    lp = completion_log_probs(model, r)
+    kl, _ = k3_kl(lp, completion_log_probs(reference, r), r.mask)
+    assert kl.abs().max() < 1e-6
+    loss, _ = token_pg_loss(lp, torch.tensor([1.0, 1.0, -1.0]), r.mask)
+    torch.optim.SGD(model.parameters(), lr=0.5).zero_grad()
+    loss.mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+    after = completion_log_probs(model, r).detach()
+    gain = ((after - r.log_probs) * r.mask).sum(1)
+    assert gain[0] > 0 and gain[1] > 0 and gain[2] < 0
+
+
+def test_target_probability_matches_first_token_policy(lm):
+    model, tok = lm
+    p = target_probability(model, tok, PROMPTS, token_id=3 + ord("z"))
+    assert p.shape == (3,) and (p > 0).all() and (p < 0.05).all()
+    # the whole allowed distribution sums to 1
+    total = sum(target_probability(model, tok, PROMPTS[:1], token_id=i) for i in range(384))
+    assert torch.allclose(total, torch.ones(1), atol=1e-4)
