@@ -58,7 +58,7 @@ class ExpertModule(LightningModule):
         self.sync_plans: list[SyncPlan] = []
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
         self._micro: dict[str, int] = {}
-        self._nan_streak = 0
+        self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
         self.generator = torch.Generator().manual_seed(seed)
 
     # ------------------------------------------------------------------ setup
@@ -143,19 +143,21 @@ class ExpertModule(LightningModule):
         logged); a non-finite gradient norm skips that expert only. No NaN ever reaches a weight.
         """
         if not torch.isfinite(loss.detach()).all():
-            self._nan_streak += 1
             for name in experts:
+                self._nan_streak[name] = self._nan_streak.get(name, 0) + 1
                 self.optimizer_of(name).zero_grad(set_to_none=True)
                 self.log(f"train/nan_skipped/{name}", 1.0, on_step=True)
+            streak = max(self._nan_streak[name] for name in experts)
             rank_zero_warn(f"iteration {self.global_step}: loss of {experts} is {loss.item()}; step skipped "
-                           f"({self._nan_streak}/{self.max_nan_steps} in a row)")
-            if self._nan_streak >= self.max_nan_steps:
+                           f"({streak}/{self.max_nan_steps} in a row)")
+            if streak >= self.max_nan_steps:
                 raise NonFiniteLossError(
-                    f"the loss of {experts} was not finite for {self._nan_streak} iterations in a row "
+                    f"the loss of {experts} was not finite for {streak} iterations in a row "
                     f"(max_nan_steps={self.max_nan_steps}); no NaN was written to the weights. Lower the "
                     f"learning rate, check the data and rewards, or raise model.init_args.max_nan_steps.")
             return False
-        self._nan_streak = 0
+        for name in experts:
+            self._nan_streak[name] = 0
         self.backward_experts(loss, experts)
         for name in experts:
             self._micro[name] = self._micro.get(name, 0) + 1
@@ -229,7 +231,7 @@ class ExpertModule(LightningModule):
             "arch": {name: spec.arch for name, spec in self.card.specs.items()},
             "generators": generators,
             "micro": dict(self._micro),
-            "nan_streak": self._nan_streak,
+            "nan_streak": dict(self._nan_streak),
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate()},
         }
 
@@ -242,7 +244,7 @@ class ExpertModule(LightningModule):
         generators = state["generators"]
         self.generator.set_state(generators[self.global_rank % len(generators)])
         self._micro = dict(state["micro"])
-        self._nan_streak = state["nan_streak"]
+        self._nan_streak = dict(state["nan_streak"])
         torch.set_rng_state(state["rng"]["torch"])
         _set_numpy_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])

@@ -37,11 +37,13 @@ class PosttrainCLI(LightningCLI):
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] == "export":
-        from jsonargparse import CLI
+        from jsonargparse import ArgumentParser
 
         from lit.export import export
 
-        print(CLI(export, args=argv[1:]))
+        parser = ArgumentParser(prog="posttrain export", description=export.__doc__)
+        parser.add_function_arguments(export, as_positional=False)
+        print(export(**parser.parse_args(argv[1:]).as_dict()))
         return
     PosttrainCLI(args=argv)
 

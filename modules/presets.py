@@ -110,7 +110,7 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
         kwargs: dict[str, Any] = {"local_files_only": not os.path.isdir(pretrained)}
         if subfolder:
             kwargs["subfolder"] = subfolder
-        if dtype is not None:
+        if dtype not in (None, torch.float32):
             kwargs["torch_dtype"] = dtype
         try:
             return model_class(arch).from_pretrained(pretrained, **kwargs)
@@ -126,7 +126,7 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
     else:
         cls, config_cls = _TRANSFORMERS[arch]
         model = cls(config_cls(**config))
-    return model.to(dtype) if dtype is not None else model
+    return model.to(dtype) if dtype not in (None, torch.float32) else model
 
 
 def build_tokenizer(path: str | None = None):

@@ -1,0 +1,119 @@
+"""Bad input gets a clear error naming the problem and the fix, and nothing is lost."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from datamodules.synthetic import SyntheticVideos
+from lit.base import NonFiniteLossError
+from lit.cli import PosttrainCLI
+from lit.finetune import Finetune
+from modules.cards import Expert, ModelCard
+from modules.presets import build_model
+from tests.conftest import adamw, wan_card
+from tests.helpers import TwoExperts, quick_trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINETUNE = os.path.join(ROOT, "configs", "finetune.yaml")
+
+
+def cli_error(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        PosttrainCLI(args=["fit", "--config", FINETUNE, *args], run=False)
+    assert exit_info.value.code != 0
+    return capsys.readouterr().err
+
+
+def test_unknown_config_key(capsys):
+    err = cli_error(capsys, "--model.init_args.card.experts.transformer.trainabel=true")
+    assert "trainabel" in err
+
+
+def test_wrong_type(capsys):
+    err = cli_error(capsys, "--trainer.max_steps=many")
+    assert "max_steps" in err and "many" in err
+
+
+def test_unknown_arch(capsys):
+    err = cli_error(capsys, "--model.init_args.card.experts.transformer.arch=wan_xl")
+    assert "wan_xl" in err
+
+
+def test_card_problems_are_collected_into_one_message(tmp_path):
+    with pytest.raises(ValueError) as info:
+        ModelCard(experts={
+            "transformer": Expert(arch="wan_t2v", trainable=True),  # no optimizer
+            "vae": Expert(arch="wan_vae", pretrained=str(tmp_path / "missing")),
+            "bad.name": Expert(arch="umt5"),
+        }, num_refiners=2)
+    message = str(info.value)
+    assert "'transformer' is trainable but has no optimizer" in message
+    assert "missing" in message and "is not a folder" in message
+    assert "'bad.name'" in message
+    assert "num_refiners=2 needs a `refiner:` expert template" in message
+
+
+def test_method_names_missing_experts():
+    card = ModelCard(experts={"vae": Expert(arch="wan_vae"),
+                              "transformer": Expert(arch="wan_t2v")})
+    with pytest.raises(ValueError) as info:
+        Finetune(card)
+    assert "the card has no 'text_encoder'" in str(info.value)
+    assert "set `trainable: true`" in str(info.value)
+
+
+def test_unknown_component_lookup(tiny_card):
+    with pytest.raises(KeyError, match="no component 'critic'"):
+        tiny_card["critic"]
+
+
+def test_pretrained_folder_loads_real_weights(tmp_path):
+    """`pretrained:` loads what `save_pretrained` wrote, exactly (the path real checkpoints take)."""
+    torch.manual_seed(3)
+    source = build_model("wan_t2v")
+    source.save_pretrained(tmp_path / "wan")
+    card = ModelCard(experts={"transformer": Expert(arch="wan_t2v", pretrained=str(tmp_path / "wan"))})
+    card.build()
+    loaded = card["transformer"].state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in source.state_dict().items())
+    assert not any(p.requires_grad for p in card["transformer"].parameters())  # frozen, eval
+    assert not card["transformer"].training
+
+
+def test_pretrained_folder_of_the_wrong_class(tmp_path):
+    build_model("umt5").save_pretrained(tmp_path / "te")
+    card = ModelCard(experts={"transformer": Expert(arch="wan_t2v", pretrained=str(tmp_path / "te"))})
+    with pytest.raises(ValueError, match=r"could not load 'wan_t2v' from pretrained="):
+        card.build()
+
+
+def test_nan_loss_skips_the_step_then_stops(tmp_path):
+    """From iteration 3 the transformer's loss is NaN: its step is skipped (weights stay those after
+    iteration 2, finite), the critic keeps training, and the run stops after max_nan_steps=2 in a row."""
+    card = wan_card(extra={"critic": Expert(arch="wan_t2v", trainable=True, optimizer=adamw())})
+    module = TwoExperts(card, nan_at=3, max_nan_steps=2)
+    snapshots = {}
+
+    class Snapshot(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            snapshots[trainer.global_step] = {k: v.clone() for k, v in card["transformer"].state_dict().items()}
+
+    trainer = quick_trainer(max_steps=10, callbacks=[Snapshot()])
+    with pytest.raises(NonFiniteLossError, match=r"not finite for 2 iterations in a row \(max_nan_steps=2\)"):
+        trainer.fit(module, SyntheticVideos(num_samples=32, batch_size=2))
+    final = card["transformer"].state_dict()
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert all(torch.equal(v, final[k]) for k, v in snapshots[2].items())
+    # iteration 3: the transformer skipped, the critic stepped; iteration 4 stopped at the transformer
+    assert card.versions["transformer"] == 2 and card.versions["critic"] == 3
+
+
+def test_empty_dataset_and_tiny_dataset():
+    with pytest.raises(ValueError, match="num_samples=0"):
+        SyntheticVideos(num_samples=0).train_dataset()
+    module = Finetune(wan_card())
+    with pytest.raises(ValueError, match=r"fewer than batch_size=4"):
+        quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=2, batch_size=4))
