@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
 from callbacks.parity import report_rollout
@@ -53,6 +54,8 @@ class JointRL(ExpertModule):
         num_skip_refinement: how many of the K samples use the original prompt.
         credit: ``shared`` credits every refiner with the total reward's advantage; ``per_expert``
             credits refiner i with the advantage of the reward term named after it.
+        generator_term: credit the generator with the advantage of this reward term (e.g. ``colour``,
+            the media part of a weighted reward) instead of the total's; None = the total.
         joint: train the generator too; False freezes it (ODE rollout, no optimizer).
         max_new_tokens: longest refinement, in byte tokens.
         temperature: the refiners' sampling temperature.
@@ -69,7 +72,8 @@ class JointRL(ExpertModule):
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
                  num_samples_per_prompt: int = 4, num_skip_refinement: int = 1,
-                 credit: Literal["shared", "per_expert"] = "shared", joint: bool = True,
+                 credit: Literal["shared", "per_expert"] = "shared", generator_term: Optional[str] = None,
+                 joint: bool = True,
                  max_new_tokens: int = 8, temperature: float = 1.0, refiner_template: str = DEFAULT_TEMPLATE,
                  refiner_kl: float = 0.01, timestep_fraction: float = 0.5, clip_range: float = 1e-3,
                  kl_beta: float = 0.004, guidance_scale: float = 1.0,
@@ -79,13 +83,13 @@ class JointRL(ExpertModule):
         super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
                          width=width)
         self.reward = reward if reward is not None else ColourAlignment()
-        problems = self._problems(card, num_samples_per_prompt, num_skip_refinement, credit, joint,
+        problems = self._problems(card, num_samples_per_prompt, num_skip_refinement, credit, generator_term, joint,
                                   max_new_tokens, temperature, refiner_template, refiner_kl, timestep_fraction,
                                   clip_range, kl_beta, table_every_n_iterations)
         if problems:
             raise ValueError("joint_rl:\n  - " + "\n  - ".join(problems))
         self.num_samples_per_prompt, self.num_skip_refinement = num_samples_per_prompt, num_skip_refinement
-        self.credit, self.joint = credit, joint
+        self.credit, self.generator_term, self.joint = credit, generator_term, joint
         self.max_new_tokens, self.temperature, self.refiner_template = max_new_tokens, temperature, refiner_template
         self.refiner_kl = refiner_kl
         self.timestep_fraction, self.clip_range, self.kl_beta = timestep_fraction, clip_range, kl_beta
@@ -143,6 +147,10 @@ class JointRL(ExpertModule):
         if self.credit == "per_expert":
             credited = {name: group_advantages(self._term(rewards, name), group_ids, self.advantage_std,
                                                self.adv_clip).to(self.device) for name in refiners}
+        generator_advantages = advantages
+        if self.generator_term is not None:
+            generator_advantages = group_advantages(self._term(rewards, self.generator_term), group_ids,
+                                                    self.advantage_std, self.adv_clip).to(self.device)
         # C2: before any update, callbacks may recompute every captured log p at the rollout's weights
         report_rollout(self, lambda: self._c2_gap(samples, traj, cond, uncond))
 
@@ -153,28 +161,30 @@ class JointRL(ExpertModule):
         for name in refiners:
             sample = samples[name]
             log_probs = completion_log_probs(self.card[name], sample, self.temperature)  # (M, T), grad
-            with torch.no_grad():
-                ref_log_probs = completion_log_probs(self.card[f"{name}_reference"], sample, self.temperature)
+            with torch.no_grad(), self.card.use(f"{name}_reference") as reference:  # a LoRA's: adapter off
+                ref_log_probs = completion_log_probs(reference, sample, self.temperature)
             pg, pg_metrics = token_pg_loss(log_probs, credited[name][refined], sample.mask)
             kl, _ = k3_kl(log_probs, ref_log_probs, sample.mask)
             loss = pg.mean() + self.refiner_kl * kl.mean()
             self.log(f"train/loss/{name}", loss.detach(), on_step=True)
             self.log(f"train/kl/{name}", kl.detach().mean(), on_step=True)
             self.log(f"train/tokens/{name}", pg_metrics["tokens"], on_step=True)
-            if bool((credited[name][refined] != 0).any()):
+            if _any_rank(bool((credited[name][refined] != 0).any()), self.device):
                 refiner_losses.append(loss)
                 stepping.append(name)
         if stepping:
             self.step_experts(torch.stack(refiner_losses).sum(), stepping)
 
         # 5. update generator: Flow-GRPO PPO-clip on the refined samples, credited by the total advantage
-        keep = refined[advantages[refined] != 0]
-        if self.joint and len(keep):
+        #    (or by its own term's, ``generator_term``)
+        keep = refined[generator_advantages[refined] != 0]
+        if self.joint and _any_rank(len(keep) > 0, self.device):
+            keep = keep if len(keep) else refined  # signal on another rank only: A = 0 here, the KL remains
             steps = train_steps(self.sampler, self.timestep_fraction, self.generator)
             reference = (lambda: self.card.use("transformer_reference")) if self.kl_beta > 0 else None
             loss, metrics = ppo_step_loss(self.sampler, self.card["transformer"], reference, traj, steps, cond,
-                                          advantages, self.clip_range, self.kl_beta, uncond, self.guidance_scale,
-                                          index=keep)
+                                          generator_advantages, self.clip_range, self.kl_beta, uncond,
+                                          self.guidance_scale, index=keep)
             self.step_experts(loss, ["transformer"])
             self.log("train/loss/transformer", loss.detach(), on_step=True)
             self.log("train/ppo_ratio_mean", metrics["ratio_mean"], on_step=True)
@@ -195,7 +205,7 @@ class JointRL(ExpertModule):
         """Reward of served samples (refine, then ODE) from fixed seeds: comparable across the run."""
         prompts = list(batch["prompt"])
         refinements, composed = self.refine(prompts, seed=batch_idx)
-        videos = ExpertModule.generate(self, composed, seed=batch_idx)
+        videos = super().generate(composed, seed=batch_idx)
         rewards = score(self.reward, videos, composed, {"original_prompts": prompts, "refinements": refinements})
         self.log("val/reward", rewards.total.mean(), prog_bar=True, batch_size=len(prompts))
         for name, value in rewards.terms.items():
@@ -225,7 +235,7 @@ class JointRL(ExpertModule):
         return [f"{p} → {self.served.get(p, p)}" for p in prompts]
 
     # ------------------------------------------------------------------ helpers
-    def _problems(self, card, K, S, credit, joint, max_new_tokens, temperature, template, refiner_kl,
+    def _problems(self, card, K, S, credit, generator_term, joint, max_new_tokens, temperature, template, refiner_kl,
                   timestep_fraction, clip_range, kl_beta, table_every) -> list[str]:
         """Every configuration problem, collected before anything is built."""
         problems = [f"the card has no {name!r}" for name in ("transformer", "text_encoder", "vae")
@@ -270,32 +280,35 @@ class JointRL(ExpertModule):
             problems.append(f"table_every_n_iterations={table_every} must be >= 1")
         if joint and not bool(self.sampler.sde_steps().any()):
             problems.append("the sampler's sde_window holds no step")
-        if credit == "per_expert" and card.num_refiners >= 1:
-            problems += self._missing_terms(card.refiners)
+        needed = [(name, "credit='per_expert'") for name in card.refiners if credit == "per_expert"]
+        needed += [(generator_term, "generator_term") for _ in range(generator_term is not None)]
+        if needed:
+            problems += self._missing_terms(needed, card.refiners)
         return problems
 
-    def _missing_terms(self, refiners: list[str]) -> list[str]:
-        """per_expert credit reads one reward term per refiner: ask the reward once, on a dummy sample."""
+    def _missing_terms(self, needed: list[tuple[str, str]], refiners: list[str]) -> list[str]:
+        """Credit read from reward terms: ask the reward once, on a dummy sample, for the terms it returns."""
         context = {"original_prompts": ["a red circle"], "refinements": {name: [""] for name in refiners}}
         try:
             out = score(self.reward, torch.zeros(1, 3, 1, 8, 8), ["a red circle"], context)
         except Exception as err:  # noqa: BLE001 - reported as a config problem, with the reward's own message
-            return [f"credit='per_expert': the reward failed on a dry run ({type(err).__name__}: {err})"]
+            return [f"{needed[0][1]}: the reward failed on a dry run ({type(err).__name__}: {err})"]
         problems = []
-        for name in refiners:
+        for term, option in needed:
             try:
-                term_of(out, name)
+                term_of(out, term)
             except KeyError:
-                problems.append(f"credit='per_expert' needs a reward term for {name!r}, but the reward's terms are "
-                                f"{sorted(out.terms)}: add a RefinementKeyword target for {name} or use "
-                                f"credit: shared")
+                fix = (f"add a RefinementKeyword target for {term} or use credit: shared" if term in refiners
+                       else "name one of them or remove generator_term")
+                problems.append(f"{option} needs a reward term for {term!r}, but the reward's terms are "
+                                f"{sorted(out.terms)}: {fix}")
         return problems
 
     def _term(self, rewards: RewardOutput, name: str) -> torch.Tensor:
         try:
             return term_of(rewards, name)
         except KeyError as err:
-            raise ValueError(f"joint_rl credit='per_expert': {err.args[0]}") from err
+            raise ValueError(f"joint_rl credit by reward term: {err.args[0]}") from err
 
     def _c2_gap(self, samples: dict[str, Refinements], traj, cond, uncond) -> torch.Tensor:
         """max |recomputed − captured log p| over the generator's SDE steps and every refiner's tokens."""
@@ -321,3 +334,12 @@ class JointRL(ExpertModule):
         for logger in loggers:
             logger.experiment.log({"train/refinements": wandb.Table(columns=columns, data=rows),
                                    "trainer/global_step": self.global_step})
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` on any process: every rank steps the same experts (their backward passes must match)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)

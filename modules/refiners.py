@@ -16,8 +16,8 @@ Everything random takes a ``torch.Generator`` so a resumed run samples the same 
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -96,9 +96,9 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
                        pad_id: int = PAD_ID) -> Refinements:
     """Sample one refinement per prompt, capturing each token's log-probability.
 
-    A loop of full forwards of the real LM (one per new token, no KV cache): refinements are a few
-    tokens, and running the same forward as ``completion_log_probs`` keeps the captured and the
-    recomputed log-probs equal (the LM's C2 identity). Stops when every row has emitted EOS.
+    A loop over the real LM's forward with its KV cache: the context once, then one token per step.
+    Recomputing with ``completion_log_probs`` (one forward, no cache) reproduces the captured
+    log-probs to float error (the LM's C2 identity). Stops when every row has emitted EOS.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -106,18 +106,23 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
         raise ValueError(f"temperature={temperature} must be > 0")
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
-    allowed = allowed_tokens(vocab, byte_tokens, eos_id)
+    allowed = allowed_tokens(vocab, byte_tokens, eos_id).to(device)
     context_ids, context_mask = encode_contexts(tokenizer, prompts, template, pad_id)
-    ids, attn = context_ids.to(device), context_mask.to(device)
+    step_ids, attn = context_ids.to(device), context_mask.to(device)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = None
     batch = len(prompts)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, masks, log_probs = [], [], []
     for _ in range(max_new_tokens):
         # 1. next-token policy at the last position (left padding puts every row's last token there)
-        lp = _forward_log_probs(model, ids, attn, allowed, temperature, slice(-1, None))[:, 0]  # (B, V)
-        # 2. sample from it with the method's generator (on its device), keep the token's log-prob
-        probs = lp.exp()
-        token = torch.multinomial(probs.to(generator.device), 1, generator=generator).to(device)[:, 0]
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = model(input_ids=step_ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
+                    **{cache_kw: cache})
+        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        lp = _policy_log_probs(out.logits[:, -1], allowed, temperature)  # (B, V)
+        # 2. sample from it with the caller's generator (on its device), keep the token's log-prob
+        token = torch.multinomial(lp.exp().to(generator.device), 1, generator=generator).to(device)[:, 0]
         token_lp = lp.gather(1, token[:, None])[:, 0]
         live = ~done
         token = torch.where(live, token, torch.full_like(token, pad_id))
@@ -126,7 +131,7 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
         log_probs.append(torch.where(live, token_lp, torch.zeros_like(token_lp)))
         # 3. rows that emitted EOS are done; later tokens are padding outside the mask
         done = done | (token == eos_id)
-        ids = torch.cat([ids, token[:, None]], dim=1)
+        step_ids = token[:, None]
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         if bool(done.all()):
             break
@@ -210,20 +215,15 @@ def compose_prompt(prompt: str, refinements: list[str], separator: str = ", ") -
     return separator.join(parts)
 
 
-def target_probability(model: torch.nn.Module, tokenizer, prompts: list[str], token_id: int,
+def target_probability(model: torch.nn.Module, tokenizer, prompts: list[str], token_ids: int | list[int],
                        temperature: float = 1.0, template: str = DEFAULT_TEMPLATE,
                        byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
-    """(B,) policy probability that the first refinement token of each prompt is ``token_id``."""
+    """(B,) policy probability that the first refinement token of each prompt is one of ``token_ids``."""
     vocab = model.get_output_embeddings().weight.shape[0]
     allowed = allowed_tokens(vocab, byte_tokens, eos_id)
     ids, attn = encode_contexts(tokenizer, prompts, template)
     device = next(model.parameters()).device
     with torch.no_grad():
         lp = _forward_log_probs(model, ids.to(device), attn.to(device), allowed, temperature, slice(-1, None))
-    return lp[:, 0, token_id].exp()
-
-
-def mean_log_prob(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) mean token log-probability of each completion."""
-    return _masked_mean(log_probs, mask)
-
+    token_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+    return lp[:, 0, token_ids].exp().sum(dim=-1)

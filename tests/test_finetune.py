@@ -91,3 +91,14 @@ def test_ema_sync_plan_versions_and_blend():
     p_ema = next(card["transformer_ema"].parameters())
     assert not torch.equal(p, p_ema) and not p_ema.requires_grad
     assert module.serving_transformer == "transformer_ema"
+
+
+def test_per_expert_scheduler_steps_with_its_optimizer():
+    """StepLR(γ=0.5) on the generator: after 3 generator steps its lr is lr0/8, logged per expert."""
+    card = wan_card(lr=1e-3)
+    card.specs["transformer"].scheduler = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    module = Finetune(card, caption_dropout=0.0)
+    trainer = quick_trainer(max_steps=3)
+    trainer.fit(module, SyntheticVideos(num_samples=16, batch_size=2))
+    assert module.optimizer_of("transformer").param_groups[0]["lr"] == pytest.approx(1e-3 / 8)
+    assert trainer.callback_metrics["train/lr/transformer"] == pytest.approx(1e-3 / 8)

@@ -1,0 +1,109 @@
+"""DiffusionNFT end to end: real Trainer.fit on CPU with tiny presets of the real classes."""
+import pytest
+import torch
+
+from datamodules.prompts import Prompts
+from lit.cli import PosttrainCLI
+from lit.diffusion_nft import DiffusionNFT
+from modules.cards import Expert, ModelCard
+from modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
+from modules.samplers import FlowMatchSampler
+from tests.conftest import adamw
+from tests.helpers import quick_trainer
+
+PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
+# a wider tiny VAE than the embedded preset, whose decoded colours barely depend on the latents
+VAE = Expert(arch="wan_vae", preset={"base_dim": 16, "num_res_blocks": 0})
+VIDEO = dict(frames=5, height=16, width=16)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two shared cores: intra-op threads oversubscribe them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(lr: float = 1e-2, reward=None, **kwargs) -> DiffusionNFT:
+    card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": VAE,
+                      "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr))}, text_max_length=32)
+    defaults = dict(num_samples_per_prompt=4, sampler=FlowMatchSampler(num_steps=8, shift=3.0), **VIDEO)
+    defaults.update(kwargs)
+    return DiffusionNFT(card, reward=reward, **defaults)
+
+
+def eval_reward(model) -> float:
+    model.eval()
+    return score(model.reward, model.generate(PROMPTS, seed=123), PROMPTS).total.mean().item()
+
+
+def snapshot(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_diffusion_nft_raises_the_colour_reward_and_blends_old():
+    torch.manual_seed(0)
+    model = make()
+    model.configure_model()
+    before = eval_reward(model)
+    initial = snapshot(model.card["transformer"])
+    quick_trainer(30).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    after = eval_reward(model)
+    assert after > before + 2e-3, (before, after)
+    policy, old = snapshot(model.card["transformer"]), snapshot(model.card["transformer_old"])
+    # `old` has its own version, moved by the decay-blend sync plan once per policy step; it trails the
+    # policy (η = min(0.001·step, 0.5) > 0) but has left the initial weights; the reference never moves
+    assert model.card.versions["transformer"] == 30 and model.card.versions["transformer_old"] == 30
+    assert not same(old, policy) and not same(old, initial)
+    assert same(snapshot(model.card["transformer_reference"]), initial)
+    assert model.card.versions["transformer_reference"] == 0
+    metrics = model.trainer.callback_metrics
+    for name in ("train/reward", "train/reward_std", "train/loss", "train/kl", "train/old_decay",
+                 "train/version/transformer_old"):
+        assert name in metrics, name
+
+
+def test_decay_type_0_keeps_old_equal_to_the_policy():
+    model = make(decay_type=0, kl_beta=0.0)
+    quick_trainer(2).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    assert same(snapshot(model.card["transformer_old"]), snapshot(model.card["transformer"]))
+    assert model.card.versions["transformer_old"] == 2 and "transformer_reference" not in model.card.models
+
+
+def test_constant_reward_changes_nothing():
+    model = make(reward=ConstantReward(0.3))
+    model.configure_model()
+    initial = snapshot(model.card["transformer"])
+    quick_trainer(3).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    assert same(snapshot(model.card["transformer"]), initial)
+    assert same(snapshot(model.card["transformer_old"]), initial)
+    assert model.card.versions["transformer"] == 0 and model.card.versions["transformer_old"] == 0
+    assert model.optimizer_of("transformer").state == {}
+
+
+class NaNReward(ColourAlignment):
+    def __call__(self, media, prompts, context=None):
+        return RewardOutput(torch.full((len(prompts),), float("nan")), {})
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"num_samples_per_prompt=1 must be >= 2") as err:
+        make(num_samples_per_prompt=1, beta=0.0)
+    assert "beta=0.0 must be > 0" in str(err.value)
+    with pytest.raises(ValueError, match=r"reward 'NaNReward': total is not finite"):
+        quick_trainer(1).fit(make(reward=NaNReward()), Prompts(prompts=PROMPTS, batch_size=2))
+    with pytest.raises(ValueError, match="diffusion_nft: the batch holds no prompts"):
+        make().training_step({"prompt": [], "seed": torch.zeros(0, dtype=torch.long)}, 0)
+
+
+def test_config_parses(tmp_path):
+    cli = PosttrainCLI(args=["--config", "configs/diffusion_nft.yaml", "--trainer.logger=false",
+                             f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert isinstance(cli.model, DiffusionNFT) and isinstance(cli.model.reward, ColourAlignment)
+    assert cli.model.decay_type in (0, 1, 2)

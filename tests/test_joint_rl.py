@@ -1,0 +1,245 @@
+"""joint_rl: N refiner LMs (real tiny Qwen2) + one Wan generator, trained by real `Trainer.fit` on CPU.
+
+Each refiner's target is one character; ``RefinementKeyword`` scores the fraction of it in the
+refinement, one term per refiner. "Learned" is read from the LM's real logits: the policy probability
+(bytes + EOS, temperature 1) that the refinement's first token is the target, ~1/257 at init.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Callback, seed_everything
+
+from conftest import adamw
+from datamodules.prompts import Prompts
+from helpers import quick_trainer
+from lit.cli import PosttrainCLI
+from lit.joint_rl import JointRL
+from modules.cards import Expert, ModelCard
+from modules.refiners import target_probability
+from modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
+from modules.samplers import FlowMatchSampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGETS = "xqz#"
+SMALL = dict(frames=5, height=16, width=16, max_new_tokens=8, timestep_fraction=1.0)
+
+
+def joint_card(n: int, joint: bool = True, lm_lr: float = 2e-2, generator_lr: float = 1e-3) -> ModelCard:
+    generator = Expert(arch="wan_t2v", trainable=joint, optimizer=adamw(generator_lr) if joint else None)
+    return ModelCard(experts={"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
+                              "transformer": generator},
+                     num_refiners=n, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(lm_lr)),
+                     text_max_length=96)
+
+
+def keyword_reward(n: int, targets: str = TARGETS) -> WeightedReward:
+    return WeightedReward({"colour": ColourAlignment(),
+                           "keyword": RefinementKeyword({f"refiner_{i}": targets[i] for i in range(n)},
+                                                        case_sensitive=True)})
+
+
+def method(n: int, credit: str = "per_expert", joint: bool = True, reward=None, **kwargs) -> JointRL:
+    seed_everything(0)
+    options = {**SMALL, "num_samples_per_prompt": 4, "num_skip_refinement": 1, **kwargs}
+    return JointRL(joint_card(n, joint), FlowMatchSampler(num_steps=3), reward or keyword_reward(n),
+                   credit=credit, joint=joint, **options)
+
+
+class Record(Callback):
+    """Every iteration's logged metrics (the PPO ratio of each update, the rewards)."""
+
+    def __init__(self):
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def fit(m: JointRL, steps: int, batch_size: int = 4):
+    record = Record()
+    trainer = quick_trainer(steps, log_every_n_steps=1, callbacks=[record])
+    trainer.fit(m, Prompts(num_synthetic=16, batch_size=batch_size))
+    return trainer, record
+
+
+def first_token_probability(m: JointRL, prompts: list[str]) -> dict[str, float]:
+    return {name: target_probability(m.card[name], m.card.tokenizers[name], prompts,
+                                     3 + ord(TARGETS[i])).mean().item()
+            for i, name in enumerate(m.card.refiners)}
+
+
+PROMPTS = Prompts(num_synthetic=16).prompt_list()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: on a shared 2-core machine, a second intra-op thread only adds spin-waits (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_per_expert_credit_every_refiner_learns_its_own_target():
+    m = method(3, credit="per_expert")
+    m.configure_model()
+    p0 = first_token_probability(m, PROMPTS)
+    generator0 = {k: v.clone() for k, v in m.card["transformer"].state_dict().items()}
+    trainer, record = fit(m, 40)
+    p1 = first_token_probability(m, PROMPTS)
+    # 1) each refiner learned its OWN character (the others' characters stay rare in its output)
+    for i, name in enumerate(m.card.refiners):
+        assert p0[name] < 0.02
+        assert p1[name] > 0.5, f"{name} did not learn {TARGETS[i]!r}: {p0[name]:.4f} -> {p1[name]:.4f}"
+        others = [target_probability(m.card[name], m.card.tokenizers[name], PROMPTS, 3 + ord(TARGETS[j])).mean()
+                  for j in range(3) if j != i]
+        assert max(others) < 0.05
+    # 2) the generator moved, and every PPO update started at ratio 1 (recomputed at rollout weights)
+    assert any(not torch.equal(v, m.card["transformer"].state_dict()[k]) for k, v in generator0.items())
+    ratios = [row["train/ppo_ratio_mean"] for row in record.rows if "train/ppo_ratio_mean" in row]
+    assert len(ratios) == 40
+    assert max(abs(r - 1.0) for r in ratios) < 1e-4
+    # 3) four experts, four independent versions: a refiner with no signal in an iteration does not step
+    versions = [m.card.versions[name] for name in [*m.card.refiners, "transformer"]]
+    assert len(set(versions)) == 4 and 0 not in versions, versions
+    assert all(m.card.versions[f"{name}_reference"] == 0 for name in m.card.refiners)
+    # 4) the frozen text encoder kept version 0 and its cache: the original prompts are still hits
+    assert m.card.versions["text_encoder"] == 0
+    assert m.card.cache.keys_of("text_encoder") and all(k[1] == 0 for k in m.card.cache.keys_of("text_encoder"))
+    hits = m.card.cache.hits
+    m.card.prompt_embeds(PROMPTS)
+    assert m.card.cache.hits == hits + len(PROMPTS)
+    # 5) iterations, not optimizer steps; per-expert metrics
+    assert trainer.global_step == 40
+    last = record.rows[-1]
+    for name in [*m.card.refiners, "transformer"]:
+        assert f"train/loss/{name}" in last
+    for i in range(3):
+        assert f"train/reward/keyword/refiner_{i}" in last
+    assert record.rows[-1]["train/reward/keyword"] > record.rows[0]["train/reward/keyword"] + 0.3
+    assert 0.0 < last["train/cache_hit_rate"] < 1.0
+    # 6) served samples are captioned with their refinements
+    m.generate(PROMPTS[:2], seed=0)
+    captions = m.sample_captions(PROMPTS[:2])
+    assert captions[0].startswith(PROMPTS[0] + " → " + PROMPTS[0] + ", ") and len(captions[0]) > 2 * len(PROMPTS[0])
+
+
+def test_shared_credit_runs_and_at_least_one_refiner_learns():
+    m = method(3, credit="shared")
+    m.configure_model()
+    p0 = first_token_probability(m, PROMPTS)
+    trainer, record = fit(m, 40)
+    p1 = first_token_probability(m, PROMPTS)
+    gains = {name: p1[name] - p0[name] for name in m.card.refiners}
+    assert max(gains.values()) > 0.4, gains
+    assert trainer.global_step == 40
+    assert all(m.card.versions[name] > 0 for name in [*m.card.refiners, "transformer"])
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_n_refiners_one_step_n_plus_one_experts(n):
+    # shared credit on a continuous reward: every expert has signal, so every one of them steps
+    m = method(n, credit="shared", reward=ColourAlignment())
+    trainer, record = fit(m, 1, batch_size=2)
+    experts = [*m.card.refiners, "transformer"]
+    assert len(trainer.optimizers) == n + 1
+    assert {name: m.card.versions[name] for name in experts} == {name: 1 for name in experts}
+    grad_norms = sorted(k for k in trainer.logged_metrics if k.startswith("train/grad_norm/"))
+    assert grad_norms == sorted(f"train/grad_norm/{name}" for name in experts)
+    assert trainer.global_step == 1
+
+
+def test_joint_false_freezes_the_generator_while_refiners_learn():
+    m = method(2, credit="per_expert", joint=False)
+    m.configure_model()
+    generator0 = {k: v.clone() for k, v in m.card["transformer"].state_dict().items()}
+    p0 = first_token_probability(m, PROMPTS)
+    trainer, record = fit(m, 40)
+    p1 = first_token_probability(m, PROMPTS)
+    assert all(torch.equal(v, m.card["transformer"].state_dict()[k]) for k, v in generator0.items())
+    assert m.card.versions["transformer"] == 0 and not m.card.has("transformer_reference")
+    assert len(trainer.optimizers) == 2
+    assert not any("transformer" in k for k in trainer.logged_metrics if k.startswith(("train/loss", "train/grad")))
+    for name in m.card.refiners:
+        assert p1[name] > 0.5 and p1[name] > p0[name] + 0.4, (name, p0[name], p1[name])
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    """2 iterations, checkpoint, resume to 4 == 4 straight: LM sampling, rollouts and step choice all draw
+    from the method's generator, which travels in the checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(name: str, steps: int, ckpt_path=None):
+        m = method(1, credit="per_expert", reward=keyword_reward(1))
+        ckpt = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=2, save_last=True)
+        trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[ckpt])
+        trainer.fit(m, Prompts(num_synthetic=8, batch_size=2), ckpt_path=ckpt_path)
+        return m, trainer
+
+    straight, _ = run("straight", 4)
+    run("resumed", 2)
+    resumed, trainer = run("resumed", 4, ckpt_path=str(tmp_path / "resumed" / "last.ckpt"))
+    assert trainer.global_step == 4
+    assert straight.card.versions == resumed.card.versions
+    a, b = straight.card.state_dict(), resumed.card.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs after resume"
+    assert not torch.equal(a["models.refiner_0.lm_head.weight"], b["models.refiner_0_reference.lm_head.weight"])
+
+
+def test_c2_probe_covers_generator_and_refiners():
+    """The probe C2Check calls: ~0 at rollout weights; after a refiner's weights move, it is not."""
+    m = method(1, credit="shared", reward=ColourAlignment())
+    gaps = []
+
+    class Probe(Callback):
+        def on_rollout_captured(self, trainer, pl_module, probe):
+            gaps.append(float(probe()))
+            if len(gaps) == 2:  # perturb the refiner between rollout and recompute: the identity must break
+                with torch.no_grad():
+                    pl_module.card["refiner_0"].lm_head.weight.add_(0.5)
+                gaps.append(float(probe()))
+
+    quick_trainer(2, callbacks=[Probe()]).fit(m, Prompts(num_synthetic=8, batch_size=2))
+    assert gaps[0] < 1e-5 and gaps[1] < 1e-5
+    assert gaps[2] > 1e-3
+
+
+def test_bad_input_is_rejected_with_clear_messages():
+    with pytest.raises(ValueError, match=r"num_samples_per_prompt=1 must be >= 2"):
+        method(1, credit="shared", num_samples_per_prompt=1, num_skip_refinement=0)
+    with pytest.raises(ValueError, match=r"num_skip_refinement=4 must be in \[0, num_samples_per_prompt=4\)"):
+        method(1, credit="shared", num_skip_refinement=4)
+    # a reward without a term for refiner_2: named, with the terms it does have
+    with pytest.raises(ValueError, match=r"needs a reward term for 'refiner_2', but the reward's terms are "
+                                         r"\['colour', 'colour/distance', 'keyword', 'keyword/refiner_0', "
+                                         r"'keyword/refiner_1'\]"):
+        method(3, credit="per_expert", reward=keyword_reward(2))
+    with pytest.raises(ValueError, match=r"needs a reward term for 'refiner_0'"):
+        method(1, credit="per_expert", reward=ColourAlignment())
+    with pytest.raises(ValueError, match=r"generator_term needs a reward term for 'color', but the reward's terms "
+                                         r"are \['distance'\]"):
+        method(1, credit="shared", reward=ColourAlignment(), generator_term="color")
+    # joint: false needs a frozen transformer; problems are collected into one message
+    seed_everything(0)
+    with pytest.raises(ValueError) as err:
+        JointRL(joint_card(2, joint=True), reward=ColourAlignment(), joint=False, num_samples_per_prompt=1)
+    assert "joint=false freezes the generator, but the card's transformer is trainable=true" in str(err.value)
+    assert "num_samples_per_prompt=1" in str(err.value)
+    with pytest.raises(ValueError, match="joint_rl needs >= 1"):
+        JointRL(ModelCard(experts={k: v for k, v in joint_card(1).specs.items() if not k.startswith("refiner")}))
+    with pytest.raises(ValueError, match="joint_rl: the batch holds no prompts"):
+        method(1, credit="shared").training_step({"prompt": [], "seed": []}, 0)
+
+
+@pytest.mark.parametrize("name,n", [("joint_rl", 3), ("unified_rl", 1)])
+def test_configs_parse(name, n):
+    cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", f"{name}.yaml")], run=False)
+    assert isinstance(cli.model, JointRL)
+    assert cli.model.card.refiners == [f"refiner_{i}" for i in range(n)]
+    assert cli.model.credit == ("per_expert" if n == 3 else "shared")
+    assert cli.trainer.checkpoint_callback.dirpath.endswith(os.path.join("runs", name, "checkpoints"))

@@ -1,0 +1,109 @@
+"""Rewards: values on hand-made videos, terms, combination, validation errors."""
+import pytest
+import torch
+
+from datamodules.synthetic import COLOURS, render
+from modules.rewards import (CLIPScore, ColourAlignment, ConstantReward, JpegCompressibility, PALETTE,
+                             RefinementKeyword, RewardOutput, WeightedReward, score, term_of)
+
+PROMPT = "a red circle moving left on a blue background"
+
+
+def solid(rgb, frames=1, size=8):
+    return (torch.tensor(rgb).view(1, 3, 1, 1, 1) * 2 - 1).expand(1, 3, frames, size, size).clone()
+
+
+def test_palette_matches_synthetic_data():
+    assert PALETTE == COLOURS
+
+
+def test_colour_alignment_prefers_the_named_colours():
+    """The rendered synthetic video of the prompt scores near 1 (its mean is about the 15/85 mix);
+    a solid video of the background scores a little less, one of an unnamed colour much less."""
+    reward = ColourAlignment()
+    video = render("circle", "red", "left", "blue", 5, 32, 32)[None]
+    media = torch.cat([video, solid(COLOURS["blue"], 5, 32), solid(COLOURS["yellow"], 5, 32)])
+    out = score(reward, media, [PROMPT] * 3)
+    assert out.total[0] > 0.95
+    assert out.total[0] > out.total[1] > out.total[2] + 0.3
+    assert set(out.terms) == {"distance"}
+
+
+def test_colour_alignment_reads_the_original_prompt_and_unnamed_prompts():
+    reward = ColourAlignment(no_colour_reward=0.25)
+    media = torch.cat([solid(COLOURS["green"]), solid(COLOURS["green"])])
+    out = reward(media, ["a green square", "a plain square"])
+    assert out.total[0].item() == pytest.approx(1.0)
+    assert out.total[1].item() == 0.25
+    # joint RL: a refined prompt ("... magenta ...") is scored against the user's original prompt
+    refined = reward(media[:1], ["a magenta square"], {"original_prompts": ["a green square"]})
+    assert refined.total[0].item() == pytest.approx(1.0)
+
+
+def test_jpeg_compressibility_flat_beats_noise():
+    flat = torch.zeros(1, 3, 2, 32, 32)
+    noise = torch.rand(1, 3, 2, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    media = torch.cat([flat, noise])
+    comp = score(JpegCompressibility(), media, ["x", "x"])
+    incomp = score(JpegCompressibility(incompressible=True), media, ["x", "x"])
+    assert comp.total[0] > comp.total[1]
+    assert incomp.total[1] > incomp.total[0]
+    torch.testing.assert_close(comp.terms["kb"], incomp.terms["kb"])
+    assert JpegCompressibility(incompressible=True).name == "JpegIncompressibility"
+
+
+def test_refinement_keyword_one_term_per_expert():
+    """refiner_0 targets 'a': 'aab' → 2/3, 'xyz' → 0; refiner_1 targets 'sunset' (contains)."""
+    reward = RefinementKeyword({"refiner_0": "a", "refiner_1": "sunset"}, mode="fraction")
+    context = {"refinements": {"refiner_0": ["aab", "xyz"], "refiner_1": ["a sunset", "noon"]}}
+    out = score(reward, torch.zeros(2, 3, 1, 8, 8), ["p", "q"], context)
+    torch.testing.assert_close(out.terms["refiner_0"], torch.tensor([2 / 3, 0.0]))
+    torch.testing.assert_close(out.terms["refiner_1"], torch.tensor([6 / 8, 0.0]))
+    torch.testing.assert_close(out.total, (out.terms["refiner_0"] + out.terms["refiner_1"]) / 2)
+    contains = RefinementKeyword({"refiner_1": "SUNSET"}, mode="contains")(None, ["p", "q"], context)
+    torch.testing.assert_close(contains.terms["refiner_1"], torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"needs context\['refinements'\] for experts \['refiner_0', 'refiner_1'\]"):
+        reward(torch.zeros(2, 3, 1, 8, 8), ["p", "q"])
+
+
+def test_weighted_reward_prefixes_terms_and_term_of_finds_experts():
+    reward = WeightedReward({"colour": ColourAlignment(), "keyword": RefinementKeyword({"refiner_0": "a"})},
+                            weights={"colour": 2.0, "keyword": 0.5})
+    media = solid(COLOURS["green"])
+    out = score(reward, media, ["a green square"], {"refinements": {"refiner_0": ["aa"]}})
+    assert set(out.terms) == {"colour", "colour/distance", "keyword", "keyword/refiner_0"}
+    torch.testing.assert_close(out.total, 2.0 * out.terms["colour"] + 0.5 * out.terms["keyword"])
+    torch.testing.assert_close(term_of(out, "refiner_0"), torch.tensor([1.0]))
+    with pytest.raises(KeyError, match="refiner_7"):
+        term_of(out, "refiner_7")
+    with pytest.raises(ValueError, match=r"weights name rewards \['jpeg'\]"):
+        WeightedReward({"colour": ColourAlignment()}, weights={"jpeg": 1.0})
+
+
+class NaNReward(ConstantReward):
+    def __call__(self, media, prompts, context=None):
+        return RewardOutput(torch.tensor([0.5, float("nan")]), {})
+
+
+class WrongShapeReward(ConstantReward):
+    def __call__(self, media, prompts, context=None):
+        return torch.zeros(len(prompts), 1)
+
+
+def test_bad_reward_outputs_are_named_errors():
+    media = torch.zeros(2, 3, 1, 8, 8)
+    with pytest.raises(ValueError, match=r"reward 'NaNReward': total is not finite for samples \[1\]"):
+        score(NaNReward(), media, ["a", "b"])
+    with pytest.raises(ValueError, match=r"reward 'WrongShapeReward': total has shape \(2, 1\), expected \(2,\)"):
+        score(WrongShapeReward(), media, ["a", "b"])
+    with pytest.raises(ValueError, match=r"reward 'nan \(NaNReward\)': total is not finite"):
+        score(WeightedReward({"nan": NaNReward()}), media, ["a", "b"])
+    with pytest.raises(ValueError, match="rewards take"):
+        score(ConstantReward(), torch.zeros(2, 3, 8, 8), ["a", "b"])
+
+
+def test_clip_score_needs_a_local_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="CLIPScore: path='openai/clip-vit-base-patch32' is not a local"):
+        CLIPScore("openai/clip-vit-base-patch32")
+    with pytest.raises(FileNotFoundError, match="is not a local folder"):
+        CLIPScore(str(tmp_path / "missing"))
