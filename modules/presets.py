@@ -44,9 +44,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
-    # AutoencoderKLWan: 8x spatial, 4x temporal ((F-1)/4+1 latent frames), 16 latent channels.
+    # AutoencoderKLWan: 8x spatial, 4x temporal ((F-1)/4+1 latent frames), 16 latent channels. Without
+    # overrides it loads TRAINED_ASSETS["wan_vae"]: a random VAE decodes every latent to nearly one
+    # colour, so no reward on decoded pixels could move.
     "wan_vae": dict(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
         temperal_downsample=[False, True, True],
     ),
     "umt5": dict(
@@ -84,6 +86,9 @@ _TRANSFORMERS = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),
 }
 TEXT_ENCODERS = ("umt5", "t5")
+# Tiny presets that carry trained weights (made here from the synthetic data, no download):
+# scripts/train_tiny_vae.py trained this VAE for 3000 steps on the shape videos (7 minutes on a CPU).
+TRAINED_ASSETS = {"wan_vae": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_wan_vae")}
 
 
 def model_class(arch: str) -> type[torch.nn.Module]:
@@ -103,7 +108,8 @@ def check_pretrained(pretrained: str) -> str | None:
 
 def build_model(arch: str, pretrained: str | None = None, subfolder: str | None = None,
                 preset: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """One real model: the tiny preset (with ``preset`` overrides) or ``from_pretrained(pretrained)``."""
+    """One real model: the tiny preset (with ``preset`` overrides: random weights), its trained asset
+    (``TRAINED_ASSETS``, when there are no overrides), or ``from_pretrained(pretrained)``."""
     if arch not in PRESETS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(PRESETS)}")
     if pretrained is not None:
@@ -120,6 +126,9 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
                 f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "
                 f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
             ) from err
+    if arch in TRAINED_ASSETS and not preset:
+        model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
+        return model.to(dtype) if dtype not in (None, torch.float32) else model
     config = {**PRESETS[arch], **(preset or {})}
     if arch in _DIFFUSERS:
         model = _DIFFUSERS[arch](**config)

@@ -12,8 +12,7 @@ from tests.conftest import adamw
 from tests.helpers import quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
-# a wider tiny VAE than the embedded preset, whose decoded colours barely depend on the latents
-VAE = Expert(arch="wan_vae", preset={"base_dim": 16, "num_res_blocks": 0})
+VAE = Expert(arch="wan_vae")
 VIDEO = dict(frames=5, height=16, width=16)
 
 
@@ -26,7 +25,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make(lr: float = 1e-2, reward=None, **kwargs) -> DiffusionNFT:
+def make(lr: float = 1e-3, reward=None, **kwargs) -> DiffusionNFT:
     card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": VAE,
                       "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr))}, text_max_length=32)
     defaults = dict(num_samples_per_prompt=4, sampler=FlowMatchSampler(num_steps=8, shift=3.0), **VIDEO)
@@ -55,7 +54,8 @@ def test_diffusion_nft_raises_the_colour_reward_and_blends_old():
     initial = snapshot(model.card["transformer"])
     quick_trainer(30).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
     after = eval_reward(model)
-    assert after > before + 2e-3, (before, after)
+    print(f"diffusion_nft reward {before:.4f} -> {after:.4f}")
+    assert after > before + 1e-2, (before, after)
     policy, old = snapshot(model.card["transformer"]), snapshot(model.card["transformer_old"])
     # `old` has its own version, moved by the decay-blend sync plan once per policy step; it trails the
     # policy (η = min(0.001·step, 0.5) > 0) but has left the initial weights; the reference never moves

@@ -14,9 +14,7 @@ from tests.conftest import adamw
 from tests.helpers import quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
-# The embedded tiny Wan VAE preset squeezes its decoder to one channel per upsampling stage, so its
-# decoded colours barely depend on the latents; RL tests decode with a wider tiny VAE (see the configs).
-VAE = Expert(arch="wan_vae", preset={"base_dim": 16, "num_res_blocks": 0})
+VAE = Expert(arch="wan_vae")
 VIDEO = dict(frames=5, height=16, width=16)
 
 
@@ -34,7 +32,7 @@ def rl_card(lr: float) -> ModelCard:
                       "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr))}, text_max_length=32)
 
 
-def make(lr: float = 3e-2, reward=None, **kwargs) -> FlowGRPO:
+def make(lr: float = 1e-3, reward=None, **kwargs) -> FlowGRPO:
     defaults = dict(num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004,
                     sampler=FlowMatchSampler(num_steps=8, shift=3.0), **VIDEO)
     defaults.update(kwargs)
@@ -58,7 +56,8 @@ def test_flow_grpo_raises_the_colour_reward_with_c2_holding():
     after = eval_reward(model)
     metrics = model.trainer.callback_metrics
     # learning: the deterministic ODE samples' reward rises clearly (a broken sign lowers it)
-    assert after > before + 2e-3, (before, after)
+    print(f"flow_grpo reward {before:.4f} -> {after:.4f}")
+    assert after > before + 1e-2, (before, after)
     assert any(not torch.equal(weights0[k], v) for k, v in model.card["transformer"].state_dict().items())
     # C2 at rollout weights (float32): checked on iterations 0, 5, ..., 35; PPO ratio stays near 1
     assert c2.checks == 8 and c2.last_gap < 1e-5
