@@ -20,6 +20,8 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 
 ``load_full_checkpoint(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict with
 full fp32 weights (``zero_to_fp32``); ``posttrain export``, ``predict`` and ``validate`` use it.
+Resuming at another world size stops with the ``ds_to_universal`` command to run; with
+``zero: {extra: {checkpoint: {load_universal: true}}}`` the converted shards then load at any size.
 
     trainer:
       strategy: {class_path: lit.strategy.ShardedExpertsStrategy}
@@ -76,7 +78,13 @@ class ShardedExpertsStrategy(DDPStrategy):
         card = self._card()
         if not any(spec.sharded for spec in card.specs.values()):
             rank_zero_warn("ShardedExpertsStrategy: no expert has `sharded: true`; every expert runs under plain DDP")
-        validate_zero_configs(card, self.world_size)
+        validate_zero_configs(card)
+
+    @property
+    def trained_engines(self) -> dict[str, Any]:
+        """Engines that train and therefore checkpoint; a frozen ZeRO-3 expert is rebuilt from its source."""
+        specs = self._card().specs
+        return {name: engine for name, engine in self.engines.items() if specs[name].trainable}
 
     def _card(self) -> ModelCard:
         card = getattr(self.lightning_module, "card", None)
@@ -115,7 +123,7 @@ class ShardedExpertsStrategy(DDPStrategy):
             model = card.models[name]
             params = card.parameters_of(name)
             optimizer = spec.optimizer(params) if spec.trainable else None
-            config = deepspeed_config(spec)
+            config = deepspeed_config(spec, model)
             try:
                 engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=spec.scheduler,
                                                   model_parameters=params if spec.trainable else None,
@@ -189,7 +197,7 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         """A folder: ``lightning.pt`` + one ZeRO shard folder per engine. Every process must call this."""
-        if not self.engines:
+        if not self.trained_engines:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = str(filepath)
         if self.is_global_zero:
@@ -197,8 +205,8 @@ class ShardedExpertsStrategy(DDPStrategy):
                 os.remove(path)
             os.makedirs(path, exist_ok=True)
         self.barrier("sharded_checkpoint_dir")
-        meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.engines}
-        for name, engine in self.engines.items():
+        meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
+        for name, engine in self.trained_engines.items():
             engine.save_checkpoint(os.path.join(path, name), tag=TAG)
         if self.is_global_zero:
             checkpoint["posttrain_sharded"] = meta
@@ -216,7 +224,7 @@ class ShardedExpertsStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = str(checkpoint_path)
         if not os.path.isdir(path):
-            if self.engines:
+            if self.trained_engines:
                 raise ValueError(f"{path!r} is a single-file checkpoint, but experts {sorted(self.engines)} are "
                                  f"sharded: resume a folder checkpoint written by ShardedExpertsStrategy, or set "
                                  f"`sharded: false` to resume a plain DDP checkpoint")
@@ -225,7 +233,7 @@ class ShardedExpertsStrategy(DDPStrategy):
             return load_full_checkpoint(path)
         checkpoint = torch.load(os.path.join(path, LIGHTNING_STATE), map_location="cpu", weights_only=False)
         self.check_resumable(checkpoint, path)
-        for name, engine in self.engines.items():
+        for name, engine in self.trained_engines.items():
             load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
             if load_path is None:
@@ -245,8 +253,8 @@ class ShardedExpertsStrategy(DDPStrategy):
             check_signature(checkpoint["posttrain"]["signature"], card.signature())
         saved: dict = checkpoint.get("posttrain_sharded", {})
         problems, resize = [], []
-        for name in sorted(set(saved) | set(self.engines)):
-            if name not in self.engines:
+        for name in sorted(set(saved) | set(self.trained_engines)):
+            if name not in self.trained_engines:
                 problems.append(f"expert {name!r} is sharded in the checkpoint but not in this run")
             elif name not in saved:
                 problems.append(f"expert {name!r} is sharded in this run but not in the checkpoint")
@@ -274,10 +282,26 @@ class ShardedExpertsStrategy(DDPStrategy):
 
 
 # ---------------------------------------------------------------------- DeepSpeed configs
-def deepspeed_config(spec: Expert) -> dict[str, Any]:
-    """The DeepSpeed config of one sharded expert, from ``Expert.zero`` (``extra`` merged last)."""
+def deepspeed_config(spec: Expert, model: Optional[torch.nn.Module] = None) -> dict[str, Any]:
+    """The DeepSpeed config of one sharded expert, from ``Expert.zero`` (``extra`` merged last).
+
+    With the built ``model``, buckets, ZeRO-3's live-parameter limits and sub-groups are sized to it (an
+    eighth of its parameters, at least its largest tensor, at most DeepSpeed's default). Its defaults are
+    made for billions of parameters: a 5e8-element gradient bucket (2 GB in fp32) whatever the model, and
+    ZeRO-3 keeping up to 1e9 gathered parameters alive between forward and backward — for a smaller
+    expert that is all of it, and ZeRO-3 would then use more memory than DDP.
+    """
     zero = spec.zero
     zero_optimization: dict[str, Any] = {"stage": zero.stage}
+    if model is not None:
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+        bucket = int(min(5e8, max(max(sizes), sum(sizes) // 8)))
+        zero_optimization.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        if zero.stage == 3:
+            # sub_group_size: the optimizer steps the partition in sub-groups, with one fp32 gradient buffer
+            # of the largest sub-group (the default, 1e9, makes it a second copy of the gradient partition)
+            zero_optimization.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=bucket,
+                                     stage3_max_reuse_distance=bucket, sub_group_size=bucket)
     if zero.offload_optimizer:
         zero_optimization["offload_optimizer"] = {"device": "cpu"}
     if zero.offload_params:
@@ -305,7 +329,7 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
-def validate_zero_configs(card: ModelCard, world_size: int) -> None:
+def validate_zero_configs(card: ModelCard) -> None:
     """Every sharded expert's ZeRO config checked by DeepSpeed itself, all problems in one message."""
     from deepspeed.runtime.config import DeepSpeedConfig
 

@@ -1,0 +1,296 @@
+"""ShardedExpertsStrategy: DeepSpeed ZeRO engines for sharded experts beside DDP, on 2 CPU processes.
+
+Every run is the real ``posttrain fit`` command (2 processes over gloo, tiny Wan preset, 32x32x5
+videos, 4 iterations, a checkpoint every 2). Runs are shared between tests through ``runs``.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import yaml
+
+import helpers_strategy as h
+
+pytestmark = pytest.mark.timeout(900)
+
+
+class Runs:
+    """Each named run once per session, on demand: ``runs["z3"]`` -> its folder."""
+
+    def __init__(self, root):
+        self.root, self.done = root, {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self.done:
+            folder = str(self.root / name)
+            kwargs = RUNS[name]
+            result = h.fit(h.config(folder, **kwargs))
+            assert result.returncode == 0, f"run {name} failed:\n{result.stderr[-6000:]}"
+            self.done[name] = folder
+        return self.done[name]
+
+
+TWO = {"model": "helpers_strategy.TwoExperts", "experts": {"critic": h.expert(None)}}
+RUNS = {
+    "ddp": dict(zero_stage=None, ema_decay=0.9),
+    "z2": dict(zero_stage=2, ema_decay=0.9),
+    "z3": dict(zero_stage=3, ema_decay=0.9),
+    "two": dict(zero_stage=3, **TWO),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("strategy_runs"))
+
+
+def last(folder: str) -> str:
+    return os.path.join(folder, "ckpt", "last.ckpt")
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys() and len(a) > 0
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"max weight difference {worst} > {atol}"
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and len(a) > 0
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+# ---------------------------------------------------------------------- same math, sharded
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_zero_matches_ddp(runs, stage):
+    """ZeRO-2/3 finetune ends where plain DDP does: generator and its EMA (a sync plan that gathers
+    ZeRO-3 shards). The generator moved (it differs from its lagging EMA)."""
+    ddp, zero = last(runs["ddp"]), last(runs[stage])
+    assert os.path.isfile(ddp) and os.path.isdir(zero)
+    for component in ("transformer", "transformer_ema"):
+        assert_close(h.weights(zero, component), h.weights(ddp, component), atol=5e-5)
+    trained, ema = h.weights(zero, "transformer"), h.weights(zero, "transformer_ema")
+    assert max((trained[k] - ema[k]).abs().max().item() for k in trained) > 1e-4
+    with open(os.path.join(zero, "sharded.json")) as f:
+        meta = yaml.safe_load(f)
+    assert meta["transformer"]["stage"] == int(stage[1]) and meta["transformer"]["world_size"] == 2
+    shards = os.listdir(os.path.join(zero, "transformer", "zero"))
+    assert sorted(s for s in shards if "optim_states" in s) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+
+
+# ---------------------------------------------------------------------- exact resume
+def kill_and_resume(tmp_path, **kwargs) -> str:
+    """Kill every process after iteration 3 (last checkpoint: iteration 2), resume with ``last``."""
+    folder = str(tmp_path / "resumed")
+    killed = h.fit(h.config(folder, callbacks=[{"class_path": "helpers_strategy.KillAfter",
+                                               "init_args": {"iteration": 3}}], **kwargs))
+    assert killed.returncode != 0, "the kill switch did not fire"
+    state = torch.load(os.path.join(last(folder), "lightning.pt"), map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2
+    resumed = h.fit(h.config(folder, **kwargs), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    state = torch.load(os.path.join(last(folder), "lightning.pt"), map_location="cpu", weights_only=False)
+    assert state["global_step"] == 4  # iterations, not engine or optimizer steps
+    return folder
+
+
+def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
+    """TwoExperts: ``transformer`` in a ZeRO-3 engine, ``critic`` under DDP, each with its optimizer.
+    The critic lives in the Lightning state (DDP ignores only the engine's parameters); a run killed
+    after iteration 3 and resumed from iteration 2 ends bitwise equal to the uninterrupted one."""
+    full = last(runs["two"])
+    state = torch.load(os.path.join(full, "lightning.pt"), map_location="cpu", weights_only=False)
+    keys = state["state_dict"].keys()
+    assert any(k.startswith("card.models.critic.") for k in keys)
+    assert not any(k.startswith("card.models.transformer.") for k in keys)
+    assert len(state["optimizer_states"]) == 1  # the critic's; the transformer's is in its ZeRO shards
+    assert state["posttrain_versions"]["critic"] == 4 and state["posttrain_versions"]["transformer"] == 4
+    folder = kill_and_resume(tmp_path, **RUNS["two"])
+    for component in ("transformer", "critic"):
+        assert_equal(h.weights(last(folder), component), h.weights(full, component))
+
+
+# ---------------------------------------------------------------------- export
+def test_export_from_zero3_checkpoint(runs, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from lit.cli import main
+
+    out = str(tmp_path / "exported")
+    main(["export", "--ckpt", last(runs["z3"]), "--out", out])
+    model = WanTransformer3DModel.from_pretrained(out)
+    exported = {k: v.float() for k, v in model.state_dict().items()}
+    assert_equal(exported, h.weights(last(runs["z3"]), "transformer"))
+    assert_close(exported, h.weights(last(runs["ddp"]), "transformer"), atol=5e-5)  # independent of zero_to_fp32
+
+
+# ---------------------------------------------------------------------- clear errors
+def test_config_parses():
+    """configs/finetune_zero.yaml instantiates the strategy and a ZeRO-2 transformer as written."""
+    from lit.cli import PosttrainCLI
+    from lit.strategy import ShardedExpertsStrategy
+
+    cli = PosttrainCLI(args=["--config", os.path.join(h.ROOT, "configs", "finetune_zero.yaml")], run=False)
+    assert isinstance(cli.trainer.strategy, ShardedExpertsStrategy)
+    spec = cli.model.card.specs["transformer"]
+    assert spec.sharded and spec.zero.stage == 2 and spec.trainable
+    assert not any(s.sharded for name, s in cli.model.card.specs.items() if name != "transformer")
+
+
+def _fit_in_process(card_experts: dict, strategy, ckpt_path=None):
+    from lightning.pytorch import Trainer
+
+    from datamodules.synthetic import SyntheticVideos
+    from lit.finetune import Finetune
+    from modules.cards import Expert, ModelCard, ZeroConfig
+
+    experts = {}
+    for name, spec in card_experts.items():
+        spec = copy.deepcopy(spec)
+        if "zero" in spec:
+            spec["zero"] = ZeroConfig(**spec["zero"])
+        if "optimizer" in spec:
+            spec["optimizer"] = lambda params: torch.optim.AdamW(params, lr=1e-3)
+        experts[name] = Expert(**spec)
+    model = Finetune(ModelCard(experts), ema_decay=0.9, **h.SIZE)
+    trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, strategy=strategy, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, SyntheticVideos(num_samples=4, batch_size=2, **h.SIZE), ckpt_path=ckpt_path)
+
+
+def card(stage=None, **zero) -> dict:
+    transformer = h.expert(stage)
+    if stage is not None:
+        transformer["zero"] = {"stage": stage, **zero}
+    return {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}, "transformer": transformer}
+
+
+def test_sharded_expert_needs_the_sharding_strategy():
+    with pytest.raises(ValueError, match=r"experts \['transformer'\] have `sharded: true`.*"
+                                         r"lit.strategy.ShardedExpertsStrategy"):
+        _fit_in_process(card(2), strategy="auto")
+
+
+def test_zero_config_rejected_by_deepspeed():
+    from lit.strategy import validate_zero_configs
+    from modules.cards import Expert, ModelCard, ZeroConfig
+
+    bad = ModelCard({"transformer": Expert(arch="wan_t2v", trainable=True, optimizer=torch.optim.AdamW,
+                                           sharded=True, zero=ZeroConfig(stage=2, offload_params=True,
+                                                                         extra={"zero_optimization": {
+                                                                             "reduce_bucket_size": "big"}}))})
+    with pytest.raises(ValueError) as err:
+        validate_zero_configs(bad)
+    message = str(err.value)
+    assert "offload_params needs stage 3" in message
+    assert "DeepSpeed rejects" in message and "reduce_bucket_size" in message and "'transformer'" in message
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """Strategies of one process in this pytest process; the gloo group (which DeepSpeed caches) lives
+    until the end of the module, then both are torn down."""
+    from lit.strategy import ShardedExpertsStrategy
+
+    yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    import deepspeed.comm.comm
+
+    deepspeed.comm.comm.cdb = None
+
+
+def test_resume_with_other_stage_is_refused(runs, one_process):
+    with pytest.raises(ValueError, match=r"expert 'transformer': checkpoint has ZeRO stage 3, this run 2"):
+        _fit_in_process(card(2), one_process(), ckpt_path=last(runs["z3"]))
+
+
+def test_resume_at_other_world_size_says_how_to_convert(runs, one_process):
+    with pytest.raises(ValueError, match=r"written by 2 processes, this run has 1(.|\n)*"
+                                         r"python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                                         r"\S+/last.ckpt/transformer/zero(.|\n)*load_universal: true"):
+        _fit_in_process(card(3), one_process(), ckpt_path=last(runs["z3"]))
+
+
+def test_resume_with_other_expert_set_is_refused(runs, one_process):
+    """The DDP-run card (transformer not sharded) differs from the ZeRO-3 checkpoint's."""
+    with pytest.raises(ValueError, match=r"expert 'transformer' differs: checkpoint .*'sharded': True"):
+        _fit_in_process(card(None), one_process(), ckpt_path=last(runs["z3"]))
+
+
+def test_frozen_zero3_expert_bf16_and_offload(one_process):
+    """One card with every other option: a frozen ZeRO-3 text encoder (an inference engine, rebuilt on
+    resume, never checkpointed) and a bf16 ZeRO-3 transformer with optimizer and parameter CPU offload.
+    Two iterations count two, and the engine's gradient norm is logged per expert."""
+    from lightning.pytorch import Trainer
+
+    from datamodules.synthetic import SyntheticVideos
+    from lit.finetune import Finetune
+    from modules.cards import Expert, ModelCard, ZeroConfig
+
+    experts = {
+        "text_encoder": Expert(arch="umt5", sharded=True, zero=ZeroConfig(stage=3)),
+        "vae": Expert(arch="wan_vae"),
+        "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                              sharded=True, zero=ZeroConfig(stage=3, precision="bf16", offload_optimizer=True,
+                                                            offload_params=True)),
+    }
+    model = Finetune(ModelCard(experts), **h.SIZE)
+    strategy = one_process()
+    trainer = Trainer(max_steps=2, accelerator="cpu", devices=1, strategy=strategy, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, SyntheticVideos(num_samples=4, batch_size=2, **h.SIZE))
+    assert trainer.global_step == 2
+    assert sorted(strategy.engines) == ["text_encoder", "transformer"] and list(strategy.trained_engines) == [
+        "transformer"]
+    assert next(model.card["transformer"].parameters()).dtype == torch.bfloat16
+    assert torch.isfinite(trainer.logged_metrics["train/grad_norm/transformer"])
+
+
+def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process, tmp_path):
+    """Follow the error's instructions: convert the 2-process ZeRO-3 shards with ds_to_universal, set
+    ``load_universal``, resume on 1 process: the weights arrive exactly and training goes on."""
+    import shutil
+    import subprocess
+    import sys
+
+    from lightning.pytorch import Callback, Trainer
+
+    from datamodules.synthetic import SyntheticVideos
+    from lit.finetune import Finetune
+    from modules.cards import Expert, ModelCard, ZeroConfig
+
+    ckpt = str(tmp_path / "last.ckpt")
+    shutil.copytree(last(runs["z3"]), ckpt)
+    shards = os.path.join(ckpt, "transformer")
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(shards, "zero"), "--output_folder", os.path.join(shards, "zero_universal")],
+                   check=True, capture_output=True)
+    saved = h.weights(last(runs["z3"]), "transformer")
+    loaded = {}
+
+    class Loaded(Callback):
+        def on_train_start(self, trainer, pl_module):
+            import deepspeed
+
+            module = pl_module.card["transformer"].module
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                loaded.update({k: v.detach().clone() for k, v in module.named_parameters()})
+
+    transformer = Expert(arch="wan_t2v", trainable=True, sharded=True,
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
+                         zero=ZeroConfig(stage=3, extra={"checkpoint": {"load_universal": True}}))
+    model = Finetune(ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
+                                "transformer": transformer}), ema_decay=0.9, **h.SIZE)
+    trainer = Trainer(max_steps=5, accelerator="cpu", devices=1, strategy=one_process(), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Loaded()])
+    trainer.fit(model, SyntheticVideos(num_samples=16, batch_size=2, **h.SIZE), ckpt_path=ckpt)
+    assert_equal(loaded, saved)
+    assert trainer.global_step == 5
