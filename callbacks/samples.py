@@ -6,7 +6,6 @@ from typing import Optional
 
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
 
 from modules.media import gif_bytes, slug, write_media
 
@@ -34,8 +33,10 @@ class SampleVideos(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self.log_samples(trainer, pl_module, trainer.fit_loop.epoch_loop.batch_progress.total.processed)
 
-    @rank_zero_only
     def log_samples(self, trainer, pl_module, iteration: int) -> None:
+        # every rank generates (a ZeRO-3 expert gathers its weights collectively) and resolves the log
+        # folder (Lightning broadcasts it); rank 0 alone writes and logs
+        root = os.path.join(trainer.log_dir or trainer.default_root_dir, "samples")
         was_training = pl_module.training
         pl_module.eval()
         videos = pl_module.generate(self.prompts, seed=self.seed).cpu()
@@ -44,8 +45,11 @@ class SampleVideos(Callback):
         extra = getattr(pl_module, "sample_captions", None)  # e.g. joint_rl's refined prompts
         if callable(extra):
             captions = extra(self.prompts)
+        if trainer.is_global_zero:
+            self._write_and_log(trainer, videos, captions, iteration, root)
+
+    def _write_and_log(self, trainer, videos, captions, iteration: int, root: str) -> None:
         if self.write_files:
-            root = os.path.join(trainer.log_dir or trainer.default_root_dir, "samples")
             for i, (video, text) in enumerate(zip(videos, captions)):
                 write_media(os.path.join(root, f"it{iteration:06d}_{i}_{slug(text)}.gif"), video, self.fps)
         for logger in trainer.loggers:

@@ -34,12 +34,21 @@ class Runs:
 
 
 TWO = {"model": "helpers_strategy.TwoExperts", "experts": {"critic": h.expert(None)}}
+# sample videos on every rank (rank 0 writes): under DDP, and from a ZeRO-3 engine that must gather
+SAMPLES = [{"class_path": "callbacks.samples.SampleVideos", "init_args": {"every_n_iterations": 2}}]
 RUNS = {
-    "ddp": dict(zero_stage=None, ema_decay=0.9),
+    "ddp": dict(zero_stage=None, ema_decay=0.9, callbacks=SAMPLES),
     "z2": dict(zero_stage=2, ema_decay=0.9),
     "z3": dict(zero_stage=3, ema_decay=0.9),
-    "two": dict(zero_stage=3, **TWO),
+    "two": dict(zero_stage=3, callbacks=SAMPLES, **TWO),
 }
+
+
+@pytest.mark.parametrize("run", ["ddp", "two"])
+def test_sample_videos_under_ddp_and_zero3(runs, run):
+    """Samples at iterations 2 and 4 and at the end, written once (rank 0), without a hang."""
+    samples = sorted(os.listdir(os.path.join(runs[run], "samples")))
+    assert [s[:8] for s in samples] == ["it000002", "it000002", "it000004", "it000004"], samples
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +95,8 @@ def test_zero_matches_ddp(runs, stage):
 def kill_and_resume(tmp_path, **kwargs) -> str:
     """Kill every process after iteration 3 (last checkpoint: iteration 2), resume with ``last``."""
     folder = str(tmp_path / "resumed")
-    killed = h.fit(h.config(folder, callbacks=[{"class_path": "helpers_strategy.KillAfter",
-                                               "init_args": {"iteration": 3}}], **kwargs))
+    kill = [{"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}}]
+    killed = h.fit(h.config(folder, **{**kwargs, "callbacks": [*kwargs.get("callbacks", []), *kill]}))
     assert killed.returncode != 0, "the kill switch did not fire"
     state = torch.load(os.path.join(last(folder), "lightning.pt"), map_location="cpu", weights_only=False)
     assert state["global_step"] == 2
