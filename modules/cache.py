@@ -40,8 +40,9 @@ class EmbeddingCache:
         """Stack of cached rows for ``texts``; missing unique texts are computed in one batch."""
         keys = [(component, version, content_hash(t)) for t in texts]
         missing = list(dict.fromkeys(t for t, k in zip(texts, keys) if k not in self._store))
-        self.hits += len(texts) - sum(1 for k in keys if k not in self._store)
-        self.misses += sum(1 for k in keys if k not in self._store)
+        # a miss is a text that had to be encoded; a row repeated in the call (a group of K) is a hit
+        self.misses += len(missing)
+        self.hits += len(texts) - len(missing)
         if missing:
             rows = compute(missing)
             for text, row in zip(missing, rows):

@@ -102,3 +102,20 @@ def test_per_expert_scheduler_steps_with_its_optimizer():
     trainer.fit(module, SyntheticVideos(num_samples=16, batch_size=2))
     assert module.optimizer_of("transformer").param_groups[0]["lr"] == pytest.approx(1e-3 / 8)
     assert trainer.callback_metrics["train/lr/transformer"] == pytest.approx(1e-3 / 8)
+
+
+def test_cache_encodes_a_group_once():
+    """K copies of one prompt in a call: one encode (a miss), K-1 hits; the rows are identical."""
+    from modules.cache import EmbeddingCache
+
+    cache, calls = EmbeddingCache(), []
+
+    def encode(texts):
+        calls.append(list(texts))
+        return torch.randn(len(texts), 3, 2)
+
+    rows = cache.get_or_compute("text_encoder", 0, ["a", "a", "a", "b"], encode)
+    assert calls == [["a", "b"]] and (cache.hits, cache.misses) == (2, 2)
+    assert torch.equal(rows[0], rows[2]) and not torch.equal(rows[0], rows[3])
+    cache.get_or_compute("text_encoder", 1, ["a"], encode)  # a new encoder version: encoded again
+    assert calls[-1] == ["a"] and cache.invalidate("text_encoder", keep_version=1) == 2
