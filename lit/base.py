@@ -61,6 +61,15 @@ class ExpertModule(LightningModule):
         self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
         self.generator = torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def card_problems(card: ModelCard, method: str, trains: tuple[str, ...] = ("transformer",),
+                      needs: tuple[str, ...] = ("text_encoder", "vae")) -> list[str]:
+        """The card-shape problems of a method that trains ``trains`` and reads ``needs``."""
+        problems = [f"the card has no {name!r}" for name in (*trains, *needs) if not card.has(name)]
+        problems += [f"{method} trains `{name}`: set `trainable: true` and give it an optimizer"
+                     for name in trains if card.has(name) and not card.specs[name].trainable]
+        return problems
+
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
         if not self.card.built:

@@ -54,10 +54,7 @@ class DiffusionNFT(ExpertModule):
                  frames: int = 9, height: int = 32, width: int = 32):
         super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
                          width=width)
-        problems = [f"the card has no {name!r}" for name in ("transformer", "text_encoder", "vae")
-                    if not card.has(name)]
-        if card.has("transformer") and not card.specs["transformer"].trainable:
-            problems.append("diffusion_nft trains `transformer`: set `trainable: true` and give it an optimizer")
+        problems = self.card_problems(card, "diffusion_nft")
         if num_samples_per_prompt < 2:
             problems.append(f"num_samples_per_prompt={num_samples_per_prompt} must be >= 2: group advantages "
                             f"compare K samples of one prompt")

@@ -39,10 +39,7 @@ class Finetune(ExpertModule):
                  seed: int = 0, max_nan_steps: int = 3, frames: int = 9, height: int = 32, width: int = 32):
         super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
                          width=width)
-        problems = [f"the card has no {name!r}" for name in ("transformer", "text_encoder", "vae")
-                    if not card.has(name)]
-        if card.has("transformer") and not card.specs["transformer"].trainable:
-            problems.append("finetune trains `transformer`: set `trainable: true` and give it an optimizer")
+        problems = self.card_problems(card, "finetune")
         if not 0.0 <= caption_dropout < 1.0:
             problems.append(f"caption_dropout={caption_dropout} must be in [0, 1)")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:

@@ -238,8 +238,8 @@ class JointRL(ExpertModule):
     def _problems(self, card, K, S, credit, generator_term, joint, max_new_tokens, temperature, template, refiner_kl,
                   timestep_fraction, clip_range, kl_beta, table_every) -> list[str]:
         """Every configuration problem, collected before anything is built."""
-        problems = [f"the card has no {name!r}" for name in ("transformer", "text_encoder", "vae")
-                    if not card.has(name)]
+        problems = self.card_problems(card, "joint_rl", trains=(),  # the generator trains only when joint
+                                      needs=("transformer", "text_encoder", "vae"))
         if card.num_refiners < 1:
             problems.append(f"the card has num_refiners={card.num_refiners}; joint_rl needs >= 1 "
                             f"(`num_refiners: 3` with a `refiner:` template of arch qwen2)")

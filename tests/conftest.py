@@ -34,3 +34,12 @@ def tiny_card() -> ModelCard:
     card = wan_card()
     card.build()
     return card
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors on 2 shared cores: a second intra-op thread only adds spin-waits (up to 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,13 +16,7 @@ VAE = Expert(arch="wan_vae")
 VIDEO = dict(frames=5, height=16, width=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: intra-op threads oversubscribe them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(lr: float = 1e-3, reward=None, **kwargs) -> DiffusionNFT:

@@ -75,13 +75,7 @@ def first_token_probability(m: JointRL, prompts: list[str]) -> dict[str, float]:
 PROMPTS = Prompts(num_synthetic=16).prompt_list()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: on a shared 2-core machine, a second intra-op thread only adds spin-waits (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_per_expert_credit_every_refiner_learns_its_own_target():

@@ -25,13 +25,7 @@ from modules.refiners import (
 PROMPTS = ["a red circle moving left on a blue background", "a cat", "x"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: on a shared 2-core machine, a second intra-op thread only adds spin-waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
