@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from callbacks.iterations import IterationCounter
@@ -91,7 +92,25 @@ class ExpertModule(LightningModule):
                 f"experts {sharded} have `sharded: true`, but trainer.strategy is "
                 f"{type(self.trainer.strategy).__name__}, which does not shard: set `trainer.strategy: "
                 f"{{class_path: lit.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
+        # each expert's backward leaves the other experts' parameters without gradient: DDP must expect that
+        plain = [name for name in self.card.trainable if not self.card.specs[name].sharded]
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DDPStrategy) and strategy.world_size > 1 and len(plain) > 1 \
+                and not strategy._ddp_kwargs.get("find_unused_parameters", False):
+            raise ValueError(
+                f"experts {plain} train under DDP with separate backward passes, which needs "
+                f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
+                f"`{{class_path: lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
         self.generator = torch.Generator().manual_seed(self.seed + self.global_rank)
+
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
+        decide together whether an expert updates."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
     def configure_callbacks(self):
         return [IterationCounter(), WeightVersions()]

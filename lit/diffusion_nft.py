@@ -111,6 +111,10 @@ class DiffusionNFT(ExpertModule):
         # 4. positive / implicit-negative flow matching on freshly noised samples (+ reference KL)
         keep = torch.nonzero(advantages != 0).flatten() if self.drop_zero_advantage \
             else torch.arange(len(advantages), device=self.device)
+        if self.trainer.world_size > 1 and self.any_rank(len(keep) > 0):  # a collective: every rank calls it
+            # DDP: every rank runs the same backward passes; with signal anywhere each rank trains on all its
+            # samples (those with A = 0 add no policy gradient)
+            keep = torch.arange(len(advantages), device=self.device)
         loss = torch.zeros((), device=self.device)
         metrics_seen = []
         if len(keep):

@@ -113,6 +113,10 @@ class FlowGRPO(ExpertModule):
         # 6. PPO-clip + KL to the reference, on a fraction of the SDE steps, per minibatch
         keep = torch.nonzero(advantages != 0).flatten() if self.drop_zero_advantage \
             else torch.arange(len(advantages), device=self.device)
+        if self.trainer.world_size > 1 and self.any_rank(len(keep) > 0):  # a collective: every rank calls it
+            # DDP: every rank runs the same backward passes; with signal anywhere each rank trains on all its
+            # samples (those with A = 0 add no policy gradient)
+            keep = torch.arange(len(advantages), device=self.device)
         reference = (lambda: self.card.use("transformer_reference")) if self.kl_beta > 0 else None
         losses, metrics_seen = [], []
         for _ in range(self.num_inner_epochs):

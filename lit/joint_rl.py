@@ -169,7 +169,7 @@ class JointRL(ExpertModule):
             self.log(f"train/loss/{name}", loss.detach(), on_step=True)
             self.log(f"train/kl/{name}", kl.detach().mean(), on_step=True)
             self.log(f"train/tokens/{name}", pg_metrics["tokens"], on_step=True)
-            if _any_rank(bool((credited[name][refined] != 0).any()), self.device):
+            if self.any_rank(bool((credited[name][refined] != 0).any())):
                 refiner_losses.append(loss)
                 stepping.append(name)
         if stepping:
@@ -178,7 +178,7 @@ class JointRL(ExpertModule):
         # 5. update generator: Flow-GRPO PPO-clip on the refined samples, credited by the total advantage
         #    (or by its own term's, ``generator_term``)
         keep = refined[generator_advantages[refined] != 0]
-        if self.joint and _any_rank(len(keep) > 0, self.device):
+        if self.joint and self.any_rank(len(keep) > 0):
             keep = keep if len(keep) else refined  # signal on another rank only: A = 0 here, the KL remains
             steps = train_steps(self.sampler, self.timestep_fraction, self.generator)
             reference = (lambda: self.card.use("transformer_reference")) if self.kl_beta > 0 else None
@@ -334,12 +334,3 @@ class JointRL(ExpertModule):
         for logger in loggers:
             logger.experiment.log({"train/refinements": wandb.Table(columns=columns, data=rows),
                                    "trainer/global_step": self.global_step})
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """``flag`` on any process: every rank steps the same experts (their backward passes must match)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)

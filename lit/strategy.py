@@ -60,6 +60,8 @@ class ShardedExpertsStrategy(DDPStrategy):
     strategy_name = "sharded_experts"
 
     def __init__(self, *args: Any, **kwargs: Any):
+        # a method backs up each expert's loss separately: the other experts' DDP parameters get no grad
+        kwargs.setdefault("find_unused_parameters", True)
         super().__init__(*args, **kwargs)
         self.engines: dict[str, Any] = {}  # expert name -> deepspeed.DeepSpeedEngine
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 import os
 import signal
 
+from typing import Optional
+
 import torch
 from lightning.pytorch import Callback, Trainer
 
 from lit.base import ExpertModule
+from modules.cards import ModelCard
 from modules import vae as vae_codec
 from modules.losses import flow_matching_loss, noised
 from modules.samplers import wan_velocity
@@ -16,8 +19,8 @@ from modules.samplers import wan_velocity
 class TwoExperts(ExpertModule):
     """Finetune two generators (``transformer`` and ``critic``) on the same batch, two optimizers."""
 
-    def __init__(self, card, seed: int = 0, nan_at: int | None = None, **kwargs):
-        super().__init__(card, seed=seed, **kwargs)
+    def __init__(self, card: ModelCard, seed: int = 0, nan_at: Optional[int] = None, max_nan_steps: int = 3):
+        super().__init__(card, seed=seed, max_nan_steps=max_nan_steps)
         self.nan_at = nan_at
         self.calls = 0
 

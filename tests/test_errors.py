@@ -117,3 +117,43 @@ def test_empty_dataset_and_tiny_dataset():
     module = Finetune(wan_card())
     with pytest.raises(ValueError, match=r"fewer than batch_size=4"):
         quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=2, batch_size=4))
+
+
+def test_two_experts_under_ddp(tmp_path):
+    """Two processes: plain `ddp` with two plain experts stops with the fix named; with
+    `ddp_find_unused_parameters_true` both experts train and count iterations."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    def run(strategy: str) -> subprocess.CompletedProcess:
+        experts = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}}
+        for name in ("transformer", "critic"):
+            experts[name] = {"arch": "wan_t2v", "trainable": True,
+                             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}}}
+        config = {
+            "seed_everything": 0,
+            "trainer": {"max_steps": 2, "accelerator": "cpu", "devices": 2, "strategy": strategy, "logger": False,
+                        "enable_progress_bar": False, "default_root_dir": str(tmp_path / strategy),
+                        "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                       "init_args": {"dirpath": str(tmp_path / strategy), "save_last": True}}]},
+            "model": {"class_path": "tests.helpers.TwoExperts",
+                      "init_args": {"card": {"experts": experts, "text_max_length": 32}}},
+            "data": {"class_path": "datamodules.synthetic.SyntheticVideos",
+                     "init_args": {"num_samples": 8, "batch_size": 2, "frames": 5, "height": 16, "width": 16}},
+        }
+        path = tmp_path / f"{strategy}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        return subprocess.run([sys.executable, "-m", "lit", "fit", "--config", str(path)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    refused = run("ddp")
+    assert refused.returncode != 0
+    assert "find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`" in refused.stderr
+    done = run("ddp_find_unused_parameters_true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = torch.load(tmp_path / "ddp_find_unused_parameters_true" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2
+    assert state["posttrain_versions"]["transformer"] == 2 and state["posttrain_versions"]["critic"] == 2
