@@ -167,10 +167,12 @@ class ExpertModule(LightningModule):
     def step_experts(self, loss: torch.Tensor, experts: list[str]) -> bool:
         """Backward ``loss`` once and step every expert in ``experts`` that is due; False if skipped.
 
-        A non-finite loss skips all of them (no backward, gradients cleared, ``train/nan_skipped``
-        logged); a non-finite gradient norm skips that expert only. No NaN ever reaches a weight.
+        A non-finite loss (on any process) skips all of them (no backward, gradients cleared,
+        ``train/nan_skipped`` logged); a non-finite gradient norm skips that expert only (gradients are
+        all-reduced, so every process agrees). No NaN ever reaches a weight.
         """
-        if not torch.isfinite(loss.detach()).all():
+        # decided on all ranks together: one rank skipping its backward would leave DDP's others waiting
+        if self.any_rank(not bool(torch.isfinite(loss.detach()).all())):
             for name in experts:
                 self._nan_streak[name] = self._nan_streak.get(name, 0) + 1
                 self.optimizer_of(name).zero_grad(set_to_none=True)
