@@ -228,16 +228,21 @@ class ExpertModule(LightningModule):
         """The generator that serves samples: its EMA copy when the method keeps one."""
         return "transformer_ema" if "transformer_ema" in self.card.models else "transformer"
 
+    def conditioning(self, prompts: list[str],
+                     guidance_scale: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(B, L, D) prompt embeddings and, when CFG is on, the empty prompt's (cached like any prompt)."""
+        cond = self.card.prompt_embeds(prompts).to(self.device)
+        if guidance_scale == 1.0:
+            return cond, None
+        return cond, self.card.prompt_embeds([""] * len(prompts)).to(self.device)
+
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False) -> torch.Tensor:
         """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: ODE sampling, then VAE decoding."""
         shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)
-        cond = self.card.prompt_embeds(prompts).to(self.device)
-        uncond = None
-        if self.sampler.guidance_scale != 1.0:
-            uncond = self.card.prompt_embeds([""] * len(prompts)).to(self.device)
+        cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale)
         with self.card.use(self.serving_transformer) as transformer:
             traj = self.sampler.sample(wan_velocity(transformer), noise, cond, uncond)
         if latents_only:

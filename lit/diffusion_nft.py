@@ -93,10 +93,7 @@ class DiffusionNFT(ExpertModule):
         # 1. conditioning: each prompt repeated K times (a group, encoded once by the cache)
         group_prompts = [p for p in prompts for _ in range(K)]
         group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
-        cond = self.card.prompt_embeds(group_prompts).to(self.device)  # (B·K, L, D)
-        uncond = None
-        if self.sampler.guidance_scale != 1.0:
-            uncond = self.card.prompt_embeds([""] * len(group_prompts)).to(self.device)
+        cond, uncond = self.conditioning(group_prompts, self.sampler.guidance_scale)  # (B·K, L, D)
 
         # 2. roll out K clean samples per prompt from the `old` policy with the ODE sampler
         shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)

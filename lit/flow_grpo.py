@@ -89,10 +89,7 @@ class FlowGRPO(ExpertModule):
         #    Group ids are the prompts' dataset indices, the same on every process.
         group_prompts = [p for p in prompts for _ in range(K)]
         group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
-        cond = self.card.prompt_embeds(group_prompts).to(self.device)  # (B·K, L, D)
-        uncond = None
-        if self.guidance_scale != 1.0:
-            uncond = self.card.prompt_embeds([""] * len(group_prompts)).to(self.device)
+        cond, uncond = self.conditioning(group_prompts, self.guidance_scale)  # (B·K, L, D)
 
         # 2. roll out K SDE samples per prompt, capturing x_t and log p of every step
         shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)

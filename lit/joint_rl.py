@@ -130,10 +130,7 @@ class JointRL(ExpertModule):
                              for j, p in enumerate(originals)]
 
         # 2. roll out K samples per prompt: SDE with log p when the generator trains, else the ODE
-        cond = self.card.prompt_embeds(generator_prompts).to(self.device)  # (B·K, L, D)
-        uncond = None
-        if self.guidance_scale != 1.0:
-            uncond = self.card.prompt_embeds([""] * len(generator_prompts)).to(self.device)
+        cond, uncond = self.conditioning(generator_prompts, self.guidance_scale)  # (B·K, L, D)
         shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
         traj = rollout(self.sampler, self.card["transformer"], cond, shape, self.generator, sde=self.joint,
                        uncond=uncond, guidance_scale=self.guidance_scale)

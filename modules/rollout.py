@@ -9,7 +9,6 @@ measures the C2 identity: at the rollout's weights the recomputed log p equals t
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from typing import Callable, ContextManager, Optional, Union
 
@@ -17,12 +16,12 @@ import torch
 from torch import nn
 
 from modules.losses import ppo_clip_loss, sde_kl
-from modules.samplers import FlowMatchSampler, Trajectory, VelocityFn, wan_velocity
+from modules.samplers import FlowMatchSampler, Trajectory, wan_velocity
 
-# A model to run: a module, a velocity function, or a zero-argument callable returning a context
-# manager that yields the module (``lambda: card.use("transformer_reference")``: a LoRA reference is the
-# policy with its adapter switched off only inside the context).
-ModelRef = Union[nn.Module, VelocityFn, Callable[[], ContextManager]]
+# A model to run: a module, or a zero-argument callable returning a context manager that yields the
+# module (``lambda: card.use("transformer_reference")``: a LoRA reference is the policy with its adapter
+# switched off only inside the context).
+ModelRef = Union[nn.Module, Callable[[], ContextManager[nn.Module]]]
 
 
 @contextlib.contextmanager
@@ -30,16 +29,9 @@ def velocity_of(model: ModelRef):
     """Yield the velocity function of ``model`` (see ``ModelRef``), entering its context if it has one."""
     if isinstance(model, nn.Module):
         yield wan_velocity(model)
-        return
-    try:
-        takes_no_args = len(inspect.signature(model).parameters) == 0
-    except (TypeError, ValueError):
-        takes_no_args = False
-    if takes_no_args:
-        with model() as module:
-            yield wan_velocity(module) if isinstance(module, nn.Module) else module
     else:
-        yield model
+        with model() as module:
+            yield wan_velocity(module)
 
 
 @torch.no_grad()
