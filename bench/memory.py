@@ -100,8 +100,8 @@ def worker(rank: int, args, mode: str, out) -> None:
     import deepspeed
     from diffusers import WanTransformer3DModel
 
-    from lit.strategy import deepspeed_config  # the configuration the strategy gives a sharded expert
-    from modules.cards import Expert, ZeroConfig
+    from posttrain.lit.strategy import deepspeed_config  # the configuration the strategy gives a sharded expert
+    from posttrain.modules.cards import Expert, ZeroConfig
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False,
                                verbose=False)

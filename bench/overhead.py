@@ -20,11 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
-from lit.cli import PosttrainCLI  # noqa: E402
-from modules import vae as vae_codec  # noqa: E402
-from modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
-from modules.samplers import wan_velocity  # noqa: E402
-from modules.text import encode_prompts  # noqa: E402
+from posttrain.lit.cli import PosttrainCLI  # noqa: E402
+from posttrain.modules import vae as vae_codec  # noqa: E402
+from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
+from posttrain.modules.samplers import wan_velocity  # noqa: E402
+from posttrain.modules.text import encode_prompts  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "finetune.yaml")
 

@@ -21,10 +21,10 @@ import torch
 
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from modules import vae as vae_codec
-from modules.cards import Expert, ModelCard
-from modules.rollout import rollout
-from modules.samplers import FlowMatchSampler
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.rollout import rollout
+from posttrain.modules.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red circle moving left on a blue background"
@@ -69,7 +69,7 @@ class CacheCounts(Callback):
 
 
 def bench_cache(iterations: int) -> None:
-    from lit.cli import PosttrainCLI
+    from posttrain.lit.cli import PosttrainCLI
 
     cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", "joint_rl.yaml"), "--trainer.logger=false"],
                        run=False)

@@ -15,7 +15,7 @@ a clip shorter than ``(frames - 1) * frame_stride + 1`` source frames is an erro
 With ``latents_cache`` set, each item is encoded once with the frozen VAE (distribution mode, as
 ``modules.vae.encode``) into ``<latents_cache>/<key>.safetensors``, where ``key`` hashes the file's
 bytes, the size options and the VAE's weights. Batches then carry ``"latents"`` (B, z, F', h, w)
-instead of ``"video"``, and ``lit.finetune.Finetune`` skips its own VAE pass. Changing the size
+instead of ``"video"``, and ``posttrain.lit.finetune.Finetune`` skips its own VAE pass. Changing the size
 options or the VAE changes every key, so a stale entry is never read (it stays on disk, unused).
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.sampling import ResumableDataModule
-from modules import presets
-from modules import vae as vae_codec
-from modules.cards import Expert, freeze
+from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules import presets
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import Expert, freeze
 
 VIDEO_EXTS = (".mp4", ".mov", ".webm", ".mkv", ".gif")
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")

@@ -8,8 +8,8 @@ from typing import Optional
 
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.sampling import ResumableDataModule
-from datamodules.synthetic import ShapesDataset
+from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.datamodules.synthetic import ShapesDataset
 
 
 def read_prompts(path: str) -> list[str]:

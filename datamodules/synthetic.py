@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.sampling import ResumableDataModule
+from posttrain.datamodules.sampling import ResumableDataModule
 
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (1.0, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 1.0),

@@ -25,11 +25,11 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
-from callbacks.iterations import IterationCounter
-from callbacks.versions import SyncPlan, WeightVersions
-from modules import vae as vae_codec
-from modules.cards import ModelCard
-from modules.samplers import FlowMatchSampler, wan_velocity
+from posttrain.callbacks.iterations import IterationCounter
+from posttrain.callbacks.versions import SyncPlan, WeightVersions
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
 
 
 class NonFiniteLossError(RuntimeError):
@@ -91,7 +91,7 @@ class ExpertModule(LightningModule):
             raise ValueError(
                 f"experts {sharded} have `sharded: true`, but trainer.strategy is "
                 f"{type(self.trainer.strategy).__name__}, which does not shard: set `trainer.strategy: "
-                f"{{class_path: lit.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
+                f"{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
         # each expert's backward leaves the other experts' parameters without gradient: DDP must expect that
         plain = [name for name in self.card.trainable if not self.card.specs[name].sharded]
         strategy = self.trainer.strategy
@@ -100,7 +100,7 @@ class ExpertModule(LightningModule):
             raise ValueError(
                 f"experts {plain} train under DDP with separate backward passes, which needs "
                 f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
-                f"`{{class_path: lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
+                f"`{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
         self.generator = torch.Generator().manual_seed(self.seed + self.global_rank)
 
     def any_rank(self, flag: bool) -> bool:

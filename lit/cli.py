@@ -13,7 +13,7 @@ from typing import Optional
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from lit.base import ExpertModule
+from posttrain.lit.base import ExpertModule
 
 
 class LoggedConfig(SaveConfigCallback):
@@ -39,7 +39,7 @@ def main(args: Optional[list[str]] = None) -> None:
     if argv and argv[0] == "export":
         from jsonargparse import ArgumentParser
 
-        from lit.export import export
+        from posttrain.lit.export import export
 
         parser = ArgumentParser(prog="posttrain export", description=export.__doc__)
         parser.add_function_arguments(export, as_positional=False)

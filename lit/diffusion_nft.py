@@ -17,15 +17,15 @@ from typing import Literal, Optional
 
 import torch
 
-from callbacks.versions import SyncPlan
-from lit.base import ExpertModule
-from modules import vae as vae_codec
-from modules.advantages import group_advantages
-from modules.cards import ModelCard
-from modules.losses import nft_loss, nft_old_decay, nft_reward_weight, noised, sample_sigmas
-from modules.rewards import ColourAlignment, Reward, score
-from modules.rollout import rollout, velocity_of
-from modules.samplers import FlowMatchSampler
+from posttrain.callbacks.versions import SyncPlan
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.advantages import group_advantages
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.losses import nft_loss, nft_old_decay, nft_reward_weight, noised, sample_sigmas
+from posttrain.modules.rewards import ColourAlignment, Reward, score
+from posttrain.modules.rollout import rollout, velocity_of
+from posttrain.modules.samplers import FlowMatchSampler
 
 
 class DiffusionNFT(ExpertModule):

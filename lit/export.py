@@ -13,13 +13,13 @@ from typing import Literal
 
 import torch
 
-from modules import presets
+from posttrain.modules import presets
 
 
 def load_checkpoint(ckpt: str) -> dict:
     """The Lightning checkpoint dict of a ``.ckpt`` file or of a sharded checkpoint folder."""
     if os.path.isdir(ckpt):
-        from lit.strategy import load_full_checkpoint  # sharded experts: gather ZeRO shards
+        from posttrain.lit.strategy import load_full_checkpoint  # sharded experts: gather ZeRO shards
 
         return load_full_checkpoint(ckpt)
     if not os.path.exists(ckpt):

@@ -13,12 +13,12 @@ from typing import Literal, Optional
 
 import torch
 
-from callbacks.versions import SyncPlan, constant
-from lit.base import ExpertModule
-from modules import vae as vae_codec
-from modules.cards import ModelCard
-from modules.losses import flow_matching_loss, noised, sample_sigmas
-from modules.samplers import FlowMatchSampler, wan_velocity
+from posttrain.callbacks.versions import SyncPlan, constant
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
 
 
 class Finetune(ExpertModule):

@@ -15,14 +15,14 @@ from typing import Literal, Optional
 
 import torch
 
-from callbacks.parity import report_rollout
-from lit.base import ExpertModule
-from modules import vae as vae_codec
-from modules.advantages import group_advantages
-from modules.cards import ModelCard
-from modules.rewards import ColourAlignment, Reward, score
-from modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
-from modules.samplers import FlowMatchSampler
+from posttrain.callbacks.parity import report_rollout
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.advantages import group_advantages
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.rewards import ColourAlignment, Reward, score
+from posttrain.modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
+from posttrain.modules.samplers import FlowMatchSampler
 
 
 class FlowGRPO(ExpertModule):

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
-from callbacks.parity import report_rollout
-from lit.base import ExpertModule
-from modules import vae as vae_codec
-from modules.advantages import group_advantages
-from modules.cards import ModelCard
-from modules.refiners import (
+from posttrain.callbacks.parity import report_rollout
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.advantages import group_advantages
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.refiners import (
     DEFAULT_TEMPLATE,
     Refinements,
     completion_log_probs,
@@ -37,9 +37,9 @@ from modules.refiners import (
     sample_refinements,
     token_pg_loss,
 )
-from modules.rewards import ColourAlignment, Reward, RewardOutput, score, term_of
-from modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
-from modules.samplers import FlowMatchSampler
+from posttrain.modules.rewards import ColourAlignment, Reward, RewardOutput, score, term_of
+from posttrain.modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
+from posttrain.modules.samplers import FlowMatchSampler
 
 
 class JointRL(ExpertModule):

@@ -24,7 +24,7 @@ Resuming at another world size stops with the ``ds_to_universal`` command to run
 ``zero: {extra: {checkpoint: {load_universal: true}}}`` the converted shards then load at any size.
 
     trainer:
-      strategy: {class_path: lit.strategy.ShardedExpertsStrategy}
+      strategy: {class_path: posttrain.lit.strategy.ShardedExpertsStrategy}
       accelerator: cpu      # gloo; on GPUs the same YAML runs over NCCL
       devices: 2
 """
@@ -43,7 +43,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from modules.cards import Expert, ModelCard
+from posttrain.modules.cards import Expert, ModelCard
 
 TAG = "zero"  # engine.save_checkpoint tag inside each expert's folder
 LIGHTNING_STATE = "lightning.pt"
@@ -248,7 +248,7 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     def check_resumable(self, checkpoint: dict, path: str) -> None:
         """Refuse, before anything loads, a checkpoint of other experts, other ZeRO stages or world size."""
-        from lit.base import check_signature
+        from posttrain.lit.base import check_signature
 
         card = self._card()
         if "posttrain" in checkpoint:

@@ -19,9 +19,9 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, O
 import torch
 from torch import nn
 
-from modules import presets
-from modules.cache import EmbeddingCache
-from modules.text import encode_prompts
+from posttrain.modules import presets
+from posttrain.modules.cache import EmbeddingCache
+from posttrain.modules.text import encode_prompts
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.samplers import shift_sigmas
+from posttrain.modules.samplers import shift_sigmas
 
 
 def sample_sigmas(batch_size: int, mode: str, generator: torch.Generator | None = None, shift: float = 1.0,

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-# The palette of the synthetic shape videos (``datamodules.synthetic.COLOURS``, RGB in [0, 1]). A copy,
+# The palette of the synthetic shape videos (``posttrain.datamodules.synthetic.COLOURS``, RGB in [0, 1]). A copy,
 # because modules/ must not import the datamodules (they import Lightning); a test keeps them equal.
 PALETTE: dict[str, tuple[float, float, float]] = {
     "red": (1.0, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 1.0),

@@ -15,8 +15,8 @@ from typing import Callable, ContextManager, Optional, Union
 import torch
 from torch import nn
 
-from modules.losses import ppo_clip_loss, sde_kl
-from modules.samplers import FlowMatchSampler, Trajectory, wan_velocity
+from posttrain.modules.losses import ppo_clip_loss, sde_kl
+from posttrain.modules.samplers import FlowMatchSampler, Trajectory, wan_velocity
 
 # A model to run: a module, or a zero-argument callable returning a context manager that yields the
 # module (``lambda: card.use("transformer_reference")``: a LoRA reference is the policy with its adapter

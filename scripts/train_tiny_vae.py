@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from datamodules.synthetic import ShapesDataset  # noqa: E402
-from modules.presets import PRESETS  # noqa: E402
+from posttrain.datamodules.synthetic import ShapesDataset  # noqa: E402
+from posttrain.modules.presets import PRESETS  # noqa: E402
 
 
 def main() -> None:

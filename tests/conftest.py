@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from modules.cards import Expert, ModelCard
+from posttrain.modules.cards import Expert, ModelCard
 
 
 def adamw(lr: float = 1e-3, **kwargs):

@@ -9,11 +9,11 @@ from typing import Optional
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lit.base import ExpertModule
-from modules.cards import ModelCard
-from modules import vae as vae_codec
-from modules.losses import flow_matching_loss, noised
-from modules.samplers import wan_velocity
+from posttrain.lit.base import ExpertModule
+from posttrain.modules.cards import ModelCard
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.losses import flow_matching_loss, noised
+from posttrain.modules.samplers import wan_velocity
 
 
 class TwoExperts(ExpertModule):

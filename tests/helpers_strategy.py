@@ -16,11 +16,11 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 
-from lit.base import ExpertModule
-from modules import vae as vae_codec
-from modules.cards import ModelCard
-from modules.losses import flow_matching_loss, noised, sample_sigmas
-from modules.samplers import wan_velocity
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.samplers import wan_velocity
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -37,7 +37,7 @@ def expert(zero_stage: Optional[int], **extra) -> dict:
 
 
 def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: int = 2,
-           model: str = "lit.finetune.Finetune", experts: Optional[dict] = None, callbacks: list = (),
+           model: str = "posttrain.lit.finetune.Finetune", experts: Optional[dict] = None, callbacks: list = (),
            sharding_strategy: Optional[bool] = None, **model_args) -> str:
     """Write a small fit config under ``root`` (checkpoints in ``root/ckpt`` every 2 iterations)."""
     sharding = zero_stage is not None if sharding_strategy is None else sharding_strategy
@@ -47,7 +47,7 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
         "seed_everything": 0,
         "trainer": {
             "max_steps": max_steps, "accelerator": "cpu", "devices": devices,
-            "strategy": {"class_path": "lit.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
+            "strategy": {"class_path": "posttrain.lit.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
             "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
             "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
             "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -55,7 +55,7 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
                                          "save_last": True, "save_top_k": 0}}, *callbacks],
         },
         "model": {"class_path": model, "init_args": {"card": {"experts": cards}, **SIZE, **model_args}},
-        "data": {"class_path": "datamodules.synthetic.SyntheticVideos",
+        "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
                  "init_args": {"num_samples": 16, "batch_size": 2, **SIZE}},
     }
     os.makedirs(root, exist_ok=True)
@@ -69,13 +69,13 @@ def fit(config_path: str, *args: str, timeout: int = 240) -> subprocess.Complete
     """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "lit", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def weights(ckpt: str, component: str) -> dict[str, torch.Tensor]:
     """``component``'s full weights from a ``.ckpt`` file or a sharded checkpoint folder."""
-    from lit.export import load_checkpoint
+    from posttrain.lit.export import load_checkpoint
 
     prefix = f"card.models.{component}."
     state = load_checkpoint(ckpt)["state_dict"]

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from lit.base import ExpertModule
-from lit.cli import PosttrainCLI
+from posttrain.lit.base import ExpertModule
+from posttrain.lit.cli import PosttrainCLI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

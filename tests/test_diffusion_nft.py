@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from datamodules.prompts import Prompts
-from lit.cli import PosttrainCLI
-from lit.diffusion_nft import DiffusionNFT
-from modules.cards import Expert, ModelCard
-from modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
-from modules.samplers import FlowMatchSampler
+from posttrain.datamodules.prompts import Prompts
+from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.diffusion_nft import DiffusionNFT
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
+from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import adamw
 from tests.helpers import quick_trainer
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from datamodules.synthetic import SyntheticVideos
-from lit.base import NonFiniteLossError
-from lit.cli import PosttrainCLI
-from lit.finetune import Finetune
-from modules.cards import Expert, ModelCard
-from modules.presets import build_model
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit.base import NonFiniteLossError
+from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.finetune import Finetune
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.presets import build_model
 from tests.conftest import adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
 
@@ -140,13 +140,13 @@ def test_two_experts_under_ddp(tmp_path):
                                        "init_args": {"dirpath": str(tmp_path / strategy), "save_last": True}}]},
             "model": {"class_path": "tests.helpers.TwoExperts",
                       "init_args": {"card": {"experts": experts, "text_max_length": 32}}},
-            "data": {"class_path": "datamodules.synthetic.SyntheticVideos",
+            "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
                      "init_args": {"num_samples": 8, "batch_size": 2, "frames": 5, "height": 16, "width": 16}},
         }
         path = tmp_path / f"{strategy}.yaml"
         path.write_text(yaml.safe_dump(config))
         env = {**os.environ, "PYTHONPATH": ROOT}
-        return subprocess.run([sys.executable, "-m", "lit", "fit", "--config", str(path)], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(path)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
 
     refused = run("ddp")

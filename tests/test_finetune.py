@@ -5,12 +5,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from datamodules.synthetic import SyntheticVideos
-from lit.finetune import Finetune
-from modules import vae as vae_codec
-from modules.cards import Expert
-from modules.losses import flow_matching_loss, noised
-from modules.samplers import wan_velocity
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit.finetune import Finetune
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import Expert
+from posttrain.modules.losses import flow_matching_loss, noised
+from posttrain.modules.samplers import wan_velocity
 from tests.conftest import adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
 
@@ -106,7 +106,7 @@ def test_per_expert_scheduler_steps_with_its_optimizer():
 
 def test_cache_encodes_a_group_once():
     """K copies of one prompt in a call: one encode (a miss), K-1 hits; the rows are identical."""
-    from modules.cache import EmbeddingCache
+    from posttrain.modules.cache import EmbeddingCache
 
     cache, calls = EmbeddingCache(), []
 

@@ -2,14 +2,14 @@
 import pytest
 import torch
 
-import lit.flow_grpo as flow_grpo_module
-from callbacks.parity import C2Check, C2ViolationError
-from datamodules.prompts import Prompts
-from lit.cli import PosttrainCLI
-from lit.flow_grpo import FlowGRPO
-from modules.cards import Expert, ModelCard
-from modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
-from modules.samplers import FlowMatchSampler
+import posttrain.lit.flow_grpo as flow_grpo_module
+from posttrain.callbacks.parity import C2Check, C2ViolationError
+from posttrain.datamodules.prompts import Prompts
+from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.flow_grpo import FlowGRPO
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
+from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import adamw
 from tests.helpers import quick_trainer
 

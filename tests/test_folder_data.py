@@ -10,13 +10,13 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from PIL import Image
 
-import datamodules.folder as folder
-from datamodules.folder import VideoFolder
-from datamodules.synthetic import COLOURS, render
-from lit.finetune import Finetune
-from modules.cards import Expert, ModelCard
-from modules.media import write_media
-from modules.presets import build_model
+import posttrain.datamodules.folder as folder
+from posttrain.datamodules.folder import VideoFolder
+from posttrain.datamodules.synthetic import COLOURS, render
+from posttrain.lit.finetune import Finetune
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.media import write_media
+from posttrain.modules.presets import build_model
 
 RED = torch.tensor(COLOURS["red"]) * 2 - 1  # the shapes' colours in [-1, 1]
 BLUE = torch.tensor(COLOURS["blue"]) * 2 - 1
@@ -315,7 +315,7 @@ def test_cache_without_a_vae_outside_a_trainer(clips, tmp_path):
 
 # ---------------------------------------------------------------------- config
 def test_finetune_folder_config_parses(clips, tmp_path, monkeypatch):
-    from lit.cli import PosttrainCLI
+    from posttrain.lit.cli import PosttrainCLI
 
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "finetune_folder.yaml")
     monkeypatch.chdir(tmp_path)

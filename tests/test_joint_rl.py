@@ -13,14 +13,14 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 
 from conftest import adamw
-from datamodules.prompts import Prompts
+from posttrain.datamodules.prompts import Prompts
 from helpers import quick_trainer
-from lit.cli import PosttrainCLI
-from lit.joint_rl import JointRL
-from modules.cards import Expert, ModelCard
-from modules.refiners import target_probability
-from modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
-from modules.samplers import FlowMatchSampler
+from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.joint_rl import JointRL
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.refiners import target_probability
+from posttrain.modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
+from posttrain.modules.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "xqz#"

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from callbacks.parity import C2Check, C2ViolationError
-from modules.rollout import c2_gap, ppo_step_loss, recompute_log_probs, rollout
-from modules.samplers import FlowMatchSampler
+from posttrain.callbacks.parity import C2Check, C2ViolationError
+from posttrain.modules.rollout import c2_gap, ppo_step_loss, recompute_log_probs, rollout
+from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import wan_card
 
 

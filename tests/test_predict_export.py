@@ -9,11 +9,11 @@ import imageio.v2 as imageio
 import torch
 from diffusers import WanTransformer3DModel
 
-from callbacks.writer import MediaWriter
-from datamodules.prompts import Prompts
-from datamodules.synthetic import SyntheticVideos
-from lit.export import export
-from lit.finetune import Finetune
+from posttrain.callbacks.writer import MediaWriter
+from posttrain.datamodules.prompts import Prompts
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit.export import export
+from posttrain.lit.finetune import Finetune
 from tests.conftest import wan_card
 from tests.helpers import quick_trainer
 
@@ -50,12 +50,12 @@ def test_export_loads_without_posttrain(tmp_path):
     trainer.save_checkpoint(ckpt)
     # the CLI entry point, then a fresh interpreter that never imports posttrain's packages
     out = tmp_path / "exported"
-    done = subprocess.run([sys.executable, "-m", "lit", "export", "--ckpt", str(ckpt), "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "posttrain", "export", "--ckpt", str(ckpt), "--out", str(out),
                            "--expert", "transformer_ema"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     code = ("import sys, torch; from diffusers import WanTransformer3DModel; "
             f"m = WanTransformer3DModel.from_pretrained({str(out)!r}); "
-            "assert not any(k in sys.modules for k in ('lit', 'modules', 'callbacks')); "
+            "assert not any(k.startswith('posttrain') for k in sys.modules); "
             f"torch.save(m.state_dict(), {str(tmp_path / 'sd.pt')!r})")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True,
                             timeout=120)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from modules.presets import build_model, build_tokenizer
-from modules.refiners import (
+from posttrain.modules.presets import build_model, build_tokenizer
+from posttrain.modules.refiners import (
     EOS_ID,
     PAD_ID,
     Refinements,

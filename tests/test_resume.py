@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from datamodules.synthetic import SyntheticVideos
-from lit.finetune import Finetune
-from modules.cards import Expert
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit.finetune import Finetune
+from posttrain.modules.cards import Expert
 from tests.conftest import adamw, wan_card
 from tests.helpers import quick_trainer
 
@@ -43,7 +43,7 @@ def write_config(tmp_path, name: str, kill_at: int | None = None) -> str:
 
 def posttrain(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, "-m", "lit", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "posttrain", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from datamodules.synthetic import COLOURS, render
-from modules.rewards import (CLIPScore, ColourAlignment, ConstantReward, JpegCompressibility, PALETTE,
+from posttrain.datamodules.synthetic import COLOURS, render
+from posttrain.modules.rewards import (CLIPScore, ColourAlignment, ConstantReward, JpegCompressibility, PALETTE,
                              RefinementKeyword, RewardOutput, WeightedReward, score, term_of)
 
 PROMPT = "a red circle moving left on a blue background"

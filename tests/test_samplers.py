@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from modules.samplers import (
+from posttrain.modules.samplers import (
     FlowMatchSampler, gaussian_log_prob, guided, ml_velocity, sde_mean, sde_std, sde_step, shift_sigmas,
     sigma_schedule, wan_velocity,
 )
@@ -85,7 +85,7 @@ def test_guidance():
 
 @pytest.fixture(scope="module")
 def wan():
-    from modules.presets import build_model
+    from posttrain.modules.presets import build_model
 
     torch.manual_seed(0)
     return build_model("wan_t2v").eval()

@@ -35,7 +35,7 @@ class Runs:
 
 TWO = {"model": "helpers_strategy.TwoExperts", "experts": {"critic": h.expert(None)}}
 # sample videos on every rank (rank 0 writes): under DDP, and from a ZeRO-3 engine that must gather
-SAMPLES = [{"class_path": "callbacks.samples.SampleVideos", "init_args": {"every_n_iterations": 2}}]
+SAMPLES = [{"class_path": "posttrain.callbacks.samples.SampleVideos", "init_args": {"every_n_iterations": 2}}]
 RUNS = {
     "ddp": dict(zero_stage=None, ema_decay=0.9, callbacks=SAMPLES),
     "z2": dict(zero_stage=2, ema_decay=0.9),
@@ -127,7 +127,7 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
 def test_export_from_zero3_checkpoint(runs, tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from lit.cli import main
+    from posttrain.lit.cli import main
 
     out = str(tmp_path / "exported")
     main(["export", "--ckpt", last(runs["z3"]), "--out", out])
@@ -140,8 +140,8 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
 # ---------------------------------------------------------------------- clear errors
 def test_config_parses():
     """configs/finetune_zero.yaml instantiates the strategy and a ZeRO-2 transformer as written."""
-    from lit.cli import PosttrainCLI
-    from lit.strategy import ShardedExpertsStrategy
+    from posttrain.lit.cli import PosttrainCLI
+    from posttrain.lit.strategy import ShardedExpertsStrategy
 
     cli = PosttrainCLI(args=["--config", os.path.join(h.ROOT, "configs", "finetune_zero.yaml")], run=False)
     assert isinstance(cli.trainer.strategy, ShardedExpertsStrategy)
@@ -153,9 +153,9 @@ def test_config_parses():
 def _fit_in_process(card_experts: dict, strategy, ckpt_path=None):
     from lightning.pytorch import Trainer
 
-    from datamodules.synthetic import SyntheticVideos
-    from lit.finetune import Finetune
-    from modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.datamodules.synthetic import SyntheticVideos
+    from posttrain.lit.finetune import Finetune
+    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
 
     experts = {}
     for name, spec in card_experts.items():
@@ -181,13 +181,13 @@ def card(stage=None, **zero) -> dict:
 
 def test_sharded_expert_needs_the_sharding_strategy():
     with pytest.raises(ValueError, match=r"experts \['transformer'\] have `sharded: true`.*"
-                                         r"lit.strategy.ShardedExpertsStrategy"):
+                                         r"posttrain.lit.strategy.ShardedExpertsStrategy"):
         _fit_in_process(card(2), strategy="auto")
 
 
 def test_zero_config_rejected_by_deepspeed():
-    from lit.strategy import validate_zero_configs
-    from modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.lit.strategy import validate_zero_configs
+    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
 
     bad = ModelCard({"transformer": Expert(arch="wan_t2v", trainable=True, optimizer=torch.optim.AdamW,
                                            sharded=True, zero=ZeroConfig(stage=2, offload_params=True,
@@ -204,7 +204,7 @@ def test_zero_config_rejected_by_deepspeed():
 def one_process():
     """Strategies of one process in this pytest process; the gloo group (which DeepSpeed caches) lives
     until the end of the module, then both are torn down."""
-    from lit.strategy import ShardedExpertsStrategy
+    from posttrain.lit.strategy import ShardedExpertsStrategy
 
     yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
     if torch.distributed.is_initialized():
@@ -238,9 +238,9 @@ def test_frozen_zero3_expert_bf16_and_offload(one_process):
     Two iterations count two, and the engine's gradient norm is logged per expert."""
     from lightning.pytorch import Trainer
 
-    from datamodules.synthetic import SyntheticVideos
-    from lit.finetune import Finetune
-    from modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.datamodules.synthetic import SyntheticVideos
+    from posttrain.lit.finetune import Finetune
+    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
 
     experts = {
         "text_encoder": Expert(arch="umt5", sharded=True, zero=ZeroConfig(stage=3)),
@@ -271,9 +271,9 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
 
     from lightning.pytorch import Callback, Trainer
 
-    from datamodules.synthetic import SyntheticVideos
-    from lit.finetune import Finetune
-    from modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.datamodules.synthetic import SyntheticVideos
+    from posttrain.lit.finetune import Finetune
+    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
 
     ckpt = str(tmp_path / "last.ckpt")
     shutil.copytree(last(runs["z3"]), ckpt)

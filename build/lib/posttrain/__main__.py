@@ -1,0 +1,3 @@
+from posttrain.lit.cli import main
+
+main()

@@ -1,0 +1,90 @@
+"""Prompt lists for rollout methods and ``predict``: a ``.txt`` (one per line), a ``.jsonl``
+(``{"prompt": ...}`` per line), an inline list, or the synthetic captions of the default data."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from torch.utils.data import DataLoader, Dataset
+
+from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.datamodules.synthetic import ShapesDataset
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts of a .txt or .jsonl file; a clear error names the file and line of any problem."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".txt", ".jsonl"):
+        raise ValueError(f"prompt file {path!r}: use .txt (one prompt per line) or .jsonl ({{\"prompt\": ...}})")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if ext == ".txt":
+                prompts.append(line)
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}): {line[:80]!r}") from err
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+                raise ValueError(f"{path}:{lineno}: expected an object with a non-empty string \"prompt\", "
+                                 f"got {line[:80]!r}")
+            prompts.append(record["prompt"].strip())
+    if not prompts:
+        raise ValueError(f"prompt file {path!r} holds no prompts")
+    return prompts
+
+
+class PromptDataset(Dataset):
+    def __init__(self, prompts: list[str]):
+        self.prompts = prompts
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"prompt": self.prompts[index], "seed": index}
+
+
+class Prompts(ResumableDataModule):
+    """Args:
+        path: a .txt or .jsonl prompt file.
+        prompts: an inline list (instead of ``path``).
+        num_synthetic: with neither, this many captions of the synthetic shape videos.
+        batch_size: prompts per iteration (each becomes a group of K samples in RL).
+        seed: order of the prompts (and the synthetic captions).
+    """
+
+    def __init__(self, path: Optional[str] = None, prompts: Optional[list[str]] = None, num_synthetic: int = 64,
+                 batch_size: int = 2, num_workers: int = 0, seed: int = 0):
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        if path is not None and prompts is not None:
+            raise ValueError("Prompts: give `path` or `prompts`, not both")
+        if prompts is not None and not [p for p in prompts if p.strip()]:
+            raise ValueError("Prompts: the inline `prompts` list is empty")
+        self.path, self.inline, self.num_synthetic = path, prompts, num_synthetic
+
+    def prompt_list(self) -> list[str]:
+        if self.path is not None:
+            return read_prompts(self.path)
+        if self.inline is not None:
+            return [p.strip() for p in self.inline if p.strip()]
+        shapes = ShapesDataset(self.num_synthetic, 1, 8, 8, self.seed)
+        return [shapes[i]["prompt"] for i in range(self.num_synthetic)]
+
+    def train_dataset(self) -> Dataset:
+        return PromptDataset(self.prompt_list())
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(PromptDataset(self.prompt_list()), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        prompts = self.prompt_list()
+        return DataLoader(PromptDataset(prompts[: max(self.batch_size, min(8, len(prompts)))]),
+                          batch_size=self.batch_size)

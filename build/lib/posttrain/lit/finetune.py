@@ -1,0 +1,98 @@
+"""Flow-matching finetuning of the generator on captioned videos.
+
+Regress the transformer's velocity onto ``ε - x0`` at a random noise level σ (rectified flow; Esser
+et al. 2024, "Scaling Rectified Flow Transformers", logit-normal σ as in SD3/Wan training), with
+conditioning from the frozen text encoder (cached by prompt hash and encoder version). Optional EMA
+of the generator, kept by a sync plan and used for sampling.
+
+    posttrain fit --config configs/finetune.yaml
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+from posttrain.callbacks.versions import SyncPlan, constant
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
+
+
+class Finetune(ExpertModule):
+    """Args:
+        card: needs ``transformer`` (trainable), ``text_encoder`` and ``vae``.
+        sigma_sampling: how training noise levels are drawn.
+        shift: flow shift applied to the drawn σ.
+        logit_mean, logit_std: parameters of the logit-normal σ.
+        caption_dropout: probability of training on the empty prompt (what CFG needs at sampling).
+        ema_decay: keep ``transformer_ema`` with this decay per generator step; None keeps none.
+        val_sigmas: fixed noise levels of the validation loss.
+    """
+
+    def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
+                 sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal", shift: float = 1.0,
+                 logit_mean: float = 0.0, logit_std: float = 1.0, caption_dropout: float = 0.1,
+                 ema_decay: Optional[float] = None, val_sigmas: tuple[float, ...] = (0.25, 0.5, 0.75),
+                 seed: int = 0, max_nan_steps: int = 3, frames: int = 9, height: int = 32, width: int = 32):
+        super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
+                         width=width)
+        problems = self.card_problems(card, "finetune")
+        if not 0.0 <= caption_dropout < 1.0:
+            problems.append(f"caption_dropout={caption_dropout} must be in [0, 1)")
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            problems.append(f"ema_decay={ema_decay} must be in (0, 1)")
+        if problems:
+            raise ValueError("finetune:\n  - " + "\n  - ".join(problems))
+        self.sigma_sampling, self.shift = sigma_sampling, shift
+        self.logit_mean, self.logit_std = logit_mean, logit_std
+        self.caption_dropout = caption_dropout
+        self.ema_decay = ema_decay
+        self.val_sigmas = val_sigmas
+
+    def setup_roles(self) -> None:
+        if self.ema_decay is not None:
+            ema = self.card.add_role("ema", of="transformer")
+            self.sync_plans.append(SyncPlan("transformer", ema, constant(self.ema_decay)))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        # 1. clean latents x0 (B, 16, F', h, w): precomputed by the datamodule, or the frozen VAE's
+        x0 = self.latents(batch)
+        # 2. conditioning; a fraction of captions is dropped to the empty prompt for CFG
+        prompts = list(batch["prompt"])
+        drop = torch.rand(len(prompts), generator=self.generator) < self.caption_dropout
+        prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
+        cond = self.card.prompt_embeds(prompts).to(self.device)
+        # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε
+        sigma = sample_sigmas(x0.shape[0], self.sigma_sampling, self.generator, self.shift,
+                              self.logit_mean, self.logit_std).to(self.device)
+        noise = torch.randn(x0.shape, generator=self.generator).to(x0)
+        # 4. v_θ(x_σ, σ, c) regressed onto ε - x0
+        v = wan_velocity(self.card["transformer"])(noised(x0, noise, sigma), sigma, cond)
+        per_sample, metrics = flow_matching_loss(v, x0, noise)
+        loss = per_sample.mean()
+        # 5. one backward, one generator step
+        self.step_experts(loss, ["transformer"])
+        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
+        return loss.detach()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Flow-matching loss at fixed σ with fixed noise: comparable across the run."""
+        x0 = self.latents(batch)
+        cond = self.card.prompt_embeds(list(batch["prompt"])).to(self.device)
+        g = torch.Generator().manual_seed(batch_idx)
+        losses = []
+        for s in self.val_sigmas:
+            noise = torch.randn(x0.shape, generator=g).to(x0)
+            sigma = torch.full((x0.shape[0],), s, device=self.device)
+            v = wan_velocity(self.card[self.serving_transformer])(noised(x0, noise, sigma), sigma, cond)
+            losses.append(flow_matching_loss(v, x0, noise)[0].mean())
+        self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0])
+
+    def latents(self, batch: dict) -> torch.Tensor:
+        if "latents" in batch:
+            return batch["latents"].float()
+        return vae_codec.encode(self.card["vae"], batch["video"])

@@ -1,0 +1,150 @@
+"""FlowGRPO: PPO on the generator's SDE rollouts with group-relative advantages.
+
+Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL" (reference code
+``flow_grpo/train_sd3.py``). Per prompt, K samples (a group) roll out with the sampler's SDE step,
+capturing each step's log p; they are decoded, scored, and each sample's advantage is its reward
+normalized within its group. The generator is updated by PPO-clip on a fraction of the steps plus a
+KL of the step means to a frozen reference, which carries gradient. One iteration = one rollout batch
+and its updates. Math: METHODS.md (flow_grpo), ``modules/rollout.py``, ``modules/losses.py``.
+
+    posttrain fit --config configs/flow_grpo.yaml
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+from posttrain.callbacks.parity import report_rollout
+from posttrain.lit.base import ExpertModule
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.advantages import group_advantages
+from posttrain.modules.cards import ModelCard
+from posttrain.modules.rewards import ColourAlignment, Reward, score
+from posttrain.modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
+from posttrain.modules.samplers import FlowMatchSampler
+
+
+class FlowGRPO(ExpertModule):
+    """Args:
+        card: needs ``transformer`` (trainable), ``text_encoder`` and ``vae``.
+        sampler: the serving sampler; rollouts use it with its SDE step on (``noise_level``,
+            ``sde_window``) and ``num_steps`` steps.
+        reward: scores decoded videos against their prompts; None = ``ColourAlignment()``.
+        num_samples_per_prompt: K, the group size (>= 2: a group of one has no advantage).
+        timestep_fraction: share of the SDE steps trained on per minibatch (drawn at random).
+        clip_range: PPO's ε.
+        kl_beta: weight of the KL to the frozen reference; 0 adds no reference.
+        guidance_scale: CFG of rollouts and their recompute (1 = no unconditional pass).
+        advantage_std: normalize advantages by the group's std or the whole batch's.
+        adv_clip: advantages are clipped to ±adv_clip.
+        num_inner_epochs: passes over each rollout batch.
+        num_minibatches: minibatches per pass (each one optimizer step).
+        drop_zero_advantage: leave samples with advantage exactly 0 out of the update; a batch with
+            none left makes no optimizer step (a constant reward changes nothing, Adam moments included).
+    """
+
+    def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
+                 num_samples_per_prompt: int = 4, timestep_fraction: float = 0.5, clip_range: float = 1e-3,
+                 kl_beta: float = 0.004, guidance_scale: float = 1.0,
+                 advantage_std: Literal["group", "global"] = "group", adv_clip: float = 5.0,
+                 num_inner_epochs: int = 1, num_minibatches: int = 1, drop_zero_advantage: bool = True,
+                 seed: int = 0, max_nan_steps: int = 3, frames: int = 9, height: int = 32, width: int = 32):
+        super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
+                         width=width)
+        problems = self.card_problems(card, "flow_grpo")
+        if num_samples_per_prompt < 2:
+            problems.append(f"num_samples_per_prompt={num_samples_per_prompt} must be >= 2: group advantages "
+                            f"compare K samples of one prompt")
+        if not 0.0 < timestep_fraction <= 1.0:
+            problems.append(f"timestep_fraction={timestep_fraction} must be in (0, 1]")
+        if clip_range <= 0:
+            problems.append(f"clip_range={clip_range} must be > 0")
+        if kl_beta < 0:
+            problems.append(f"kl_beta={kl_beta} must be >= 0")
+        if num_inner_epochs < 1 or num_minibatches < 1:
+            problems.append(f"num_inner_epochs={num_inner_epochs} and num_minibatches={num_minibatches} must be >= 1")
+        if not bool(self.sampler.sde_steps().any()):
+            problems.append("the sampler's sde_window holds no step")
+        if problems:
+            raise ValueError("flow_grpo:\n  - " + "\n  - ".join(problems))
+        self.reward = reward if reward is not None else ColourAlignment()
+        self.num_samples_per_prompt = num_samples_per_prompt
+        self.timestep_fraction, self.clip_range, self.kl_beta = timestep_fraction, clip_range, kl_beta
+        self.guidance_scale = guidance_scale
+        self.advantage_std, self.adv_clip = advantage_std, adv_clip
+        self.num_inner_epochs, self.num_minibatches = num_inner_epochs, num_minibatches
+        self.drop_zero_advantage = drop_zero_advantage
+
+    def setup_roles(self) -> None:
+        if self.kl_beta > 0:  # a LoRA generator's reference is itself with the adapter off (no copy)
+            self.card.add_role("reference", of="transformer")
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        prompts = list(batch["prompt"])
+        if not prompts:
+            raise ValueError("flow_grpo: the batch holds no prompts")
+        K = self.num_samples_per_prompt
+        # 1. conditioning: each prompt repeated K times (a group); the cache encodes it once.
+        #    Group ids are the prompts' dataset indices, the same on every process.
+        group_prompts = [p for p in prompts for _ in range(K)]
+        group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
+        cond, uncond = self.conditioning(group_prompts, self.guidance_scale)  # (B·K, L, D)
+
+        # 2. roll out K SDE samples per prompt, capturing x_t and log p of every step
+        shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
+        traj = rollout(self.sampler, self.card["transformer"], cond, shape, self.generator, sde=True,
+                       uncond=uncond, guidance_scale=self.guidance_scale)
+
+        # 3. decode and score
+        videos = vae_codec.decode(self.card["vae"], traj.latents)  # (B·K, 3, F, H, W) in [-1, 1]
+        rewards = score(self.reward, videos, group_prompts)
+
+        # 4. group-relative advantages A = clip((r - mean_g) / (std_g + 1e-4), ±5)
+        advantages = group_advantages(rewards.total, group_ids, self.advantage_std, self.adv_clip).to(self.device)
+
+        # 5. C2: before any update, callbacks may recompute the stored log p at the rollout's weights
+        report_rollout(self, lambda: c2_gap(self.sampler, self.card["transformer"], traj, cond, uncond,
+                                            self.guidance_scale))
+
+        # 6. PPO-clip + KL to the reference, on a fraction of the SDE steps, per minibatch
+        keep = torch.nonzero(advantages != 0).flatten() if self.drop_zero_advantage \
+            else torch.arange(len(advantages), device=self.device)
+        if self.trainer.world_size > 1 and self.any_rank(len(keep) > 0):  # a collective: every rank calls it
+            # DDP: every rank runs the same backward passes; with signal anywhere each rank trains on all its
+            # samples (those with A = 0 add no policy gradient)
+            keep = torch.arange(len(advantages), device=self.device)
+        reference = (lambda: self.card.use("transformer_reference")) if self.kl_beta > 0 else None
+        losses, metrics_seen = [], []
+        for _ in range(self.num_inner_epochs):
+            order = keep[torch.randperm(len(keep), generator=self.generator).to(keep.device)]
+            for index in order.chunk(self.num_minibatches) if len(order) else []:
+                steps = train_steps(self.sampler, self.timestep_fraction, self.generator)
+                loss, metrics = ppo_step_loss(self.sampler, self.card["transformer"], reference, traj, steps, cond,
+                                              advantages, self.clip_range, self.kl_beta, uncond,
+                                              self.guidance_scale, index=index)
+                self.step_experts(loss, ["transformer"])
+                losses.append(loss.detach())
+                metrics_seen.append(metrics)
+
+        # 7. log
+        self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)
+        self.log("train/reward_std", rewards.total.std(unbiased=False), on_step=True)
+        for name, value in rewards.terms.items():
+            self.log(f"train/reward/{name}", value.mean(), on_step=True)
+        self.log("train/kept_samples", float(len(keep)), on_step=True)
+        self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
+        if metrics_seen:
+            for key, name in (("ratio_mean", "ppo_ratio_mean"), ("clip_frac", "clip_frac"), ("kl", "kl"),
+                              ("approx_kl", "approx_kl")):
+                self.log(f"train/{name}", torch.stack([m[key] for m in metrics_seen]).mean(), on_step=True)
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        self.log("train/loss", loss, on_step=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Reward of ODE samples from fixed noise (seed = batch index): comparable across the run."""
+        prompts = list(batch["prompt"])
+        videos = self.generate(prompts, seed=batch_idx)
+        self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
+                 batch_size=len(prompts))

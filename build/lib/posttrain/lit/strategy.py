@@ -1,0 +1,382 @@
+"""Shard only what is large: one DeepSpeed ZeRO engine per ``sharded`` expert, plain DDP for the rest.
+
+Lightning's ``DeepSpeedStrategy`` wraps the whole LightningModule in one engine with one optimizer and
+refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
+
+- builds every expert with ``sharded: true`` and ZeRO stage 3 under ``deepspeed.zero.Init`` (each
+  process only ever holds its shard), through ``card.build(init_context=...)``;
+- in ``configure_ddp`` gives each sharded expert its own ``deepspeed.initialize`` engine — its own
+  optimizer and scheduler from the card, ZeRO stage 2/3, optional CPU offload, fp32/bf16, all from
+  ``Expert.zero`` — and puts the engine back on the card (``card.models[name]``), so methods call it
+  like the model;
+- keeps every other parameter under DDP (the engines' parameters are listed in
+  ``_ddp_params_and_buffers_to_ignore``; nothing is wrapped when no trainable parameter is left);
+- routes ``ExpertModule.backward_experts`` / ``_step_one`` through the engines (``expert_backward``,
+  ``expert_step``); engine steps never touch ``trainer.global_step`` (iterations are counted by
+  ``callbacks.IterationCounter``);
+- saves a directory checkpoint ``<name>.ckpt/``: ``lightning.pt`` (the Lightning state of everything
+  else: plain experts, their optimizers, loops, RNG, versions, data position) plus one
+  ``engine.save_checkpoint`` folder per sharded expert, and resumes all of it with ``--ckpt_path``.
+
+``load_full_checkpoint(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict with
+full fp32 weights (``zero_to_fp32``); ``posttrain export``, ``predict`` and ``validate`` use it.
+Resuming at another world size stops with the ``ds_to_universal`` command to run; with
+``zero: {extra: {checkpoint: {load_universal: true}}}`` the converted shards then load at any size.
+
+    trainer:
+      strategy: {class_path: posttrain.lit.strategy.ShardedExpertsStrategy}
+      accelerator: cpu      # gloo; on GPUs the same YAML runs over NCCL
+      devices: 2
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+from typing import Any, ContextManager, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+
+from posttrain.modules.cards import Expert, ModelCard
+
+TAG = "zero"  # engine.save_checkpoint tag inside each expert's folder
+LIGHTNING_STATE = "lightning.pt"
+META = "sharded.json"
+
+
+class ShardedExpertsStrategy(DDPStrategy):
+    """DDP for small experts, one DeepSpeed ZeRO engine for each expert marked ``sharded: true``.
+
+    Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``, ``find_unused_parameters``…);
+    the ZeRO settings live on the experts of the card (``Expert.zero``).
+    """
+
+    strategy_name = "sharded_experts"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # a method backs up each expert's loss separately: the other experts' DDP parameters get no grad
+        kwargs.setdefault("find_unused_parameters", True)
+        super().__init__(*args, **kwargs)
+        self.engines: dict[str, Any] = {}  # expert name -> deepspeed.DeepSpeedEngine
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # engines exist only after setup; they load their own shards
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
+        import deepspeed
+
+        # DeepSpeed reuses the process group Lightning made; no MPI discovery.
+        deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), auto_mpi_discovery=False,
+                                   dist_init_required=False, verbose=False)
+        card = self._card()
+        if not any(spec.sharded for spec in card.specs.values()):
+            rank_zero_warn("ShardedExpertsStrategy: no expert has `sharded: true`; every expert runs under plain DDP")
+        validate_zero_configs(card)
+
+    @property
+    def trained_engines(self) -> dict[str, Any]:
+        """Engines that train and therefore checkpoint; a frozen ZeRO-3 expert is rebuilt from its source."""
+        specs = self._card().specs
+        return {name: engine for name, engine in self.engines.items() if specs[name].trainable}
+
+    def _card(self) -> ModelCard:
+        card = getattr(self.lightning_module, "card", None)
+        if not isinstance(card, ModelCard):
+            raise TypeError(f"ShardedExpertsStrategy needs an ExpertModule with a ModelCard `card`; got "
+                            f"{type(self.lightning_module).__name__}")
+        return card
+
+    def expert_init_context(self, name: str, spec: Expert) -> ContextManager:
+        """``deepspeed.zero.Init`` for a ZeRO-3 expert while fitting: each process builds only its shard."""
+        trainer = self.lightning_module._trainer
+        if not spec.sharded or spec.zero.stage != 3 or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.Init(config_dict_or_path=deepspeed_config(spec),
+                                   remote_device="cpu" if spec.zero.offload_params else None)
+
+    def gathered_experts(self, card: ModelCard) -> ContextManager:
+        """Full weights of every ZeRO-3 expert on every process for the duration (role copies)."""
+        params = [p for model in card.models.values() for p in model.parameters() if hasattr(p, "ds_id")]
+        if not params:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    def configure_ddp(self) -> None:
+        import deepspeed
+
+        module = self.lightning_module
+        card = self._card()
+        for name, spec in card.specs.items():
+            if not spec.sharded:
+                continue
+            model = card.models[name]
+            params = card.parameters_of(name)
+            optimizer = spec.optimizer(params) if spec.trainable else None
+            config = deepspeed_config(spec, model)
+            try:
+                engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=spec.scheduler,
+                                                  model_parameters=params if spec.trainable else None,
+                                                  config=config, dist_init_required=False)
+            except Exception as err:  # DeepSpeed raises AssertionError/ValueError/pydantic errors
+                raise ValueError(f"DeepSpeed rejected the ZeRO config of expert {name!r} ({spec.zero}): "
+                                 f"{type(err).__name__}: {err}. Fix `zero:` of that expert.") from err
+            card.models[name] = engine
+            self.engines[name] = engine
+
+        # DDP for the rest: the engines reduce their own gradients.
+        prefixes = tuple(f"card.models.{name}." for name in self.engines)
+        ignore = [n for n, _ in module.named_parameters() if n.startswith(prefixes)]
+        ignore += [n for n, _ in module.named_buffers() if n.startswith(prefixes)]
+        module._ddp_params_and_buffers_to_ignore = ignore
+        if any(p.requires_grad for n, p in module.named_parameters() if not n.startswith(prefixes)):
+            super().configure_ddp()
+        else:
+            # nothing left to reduce: no DDP wrapper, but start every process from rank 0's weights as DDP would
+            for n, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                if not n.startswith(prefixes):
+                    dist.broadcast(tensor.data, src=0)
+
+    # ------------------------------------------------------------------ the base's hooks
+    def expert_backward(self, module, loss: torch.Tensor, experts: list[str]) -> None:
+        """One backward of ``loss``: through the engine of a sharded expert, else Lightning's."""
+        sharded = [name for name in experts if name in self.engines]
+        if not sharded:
+            module.manual_backward(loss)
+            return
+        if len(sharded) > 1:
+            raise NotImplementedError(f"one loss backpropagated into two DeepSpeed engines {sharded}: give each "
+                                      f"sharded expert its own loss (one `step_experts` call per sharded expert)")
+        name = sharded[0]
+        engine = self.engines[name]
+        if len(sharded) < len(experts) and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            from lightning.pytorch.overrides.distributed import prepare_for_backward
+
+            prepare_for_backward(self.model, loss)  # the plain experts of this loss reduce through DDP
+        # the base counts micro-batches; the engine steps (and reduces fully) on its accumulation boundary
+        engine.set_gradient_accumulation_boundary(
+            (module._micro.get(name, 0) + 1) % module.card.specs[name].accumulate == 0)
+        engine.backward(loss)
+
+    def expert_step(self, module, name: str) -> bool:
+        """Step ``name``'s engine (ZeRO clipping, scheduler); False when the expert is not sharded."""
+        engine = self.engines.get(name)
+        if engine is None:
+            return False
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            module.log(f"train/grad_norm/{name}", float(norm), on_step=True)
+        module.log(f"train/lr/{name}", float(engine.get_lr()[0]), on_step=True)
+        return True
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The Lightning state without the sharded experts (their engines save them; under ZeRO-3 a plain
+        ``state_dict`` would hold empty partitions)."""
+        prefixes = tuple(f"card.models.{name}." for name in self.engines)
+        return {k: v for k, v in super().lightning_module_state_dict().items() if not k.startswith(prefixes)}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        prefixes = tuple(f"card.models.{name}." for name in self.engines)
+        missing, unexpected = self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+        missing = [k for k in missing if not k.startswith(prefixes)]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"checkpoint state does not fit the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """A folder: ``lightning.pt`` + one ZeRO shard folder per engine. Every process must call this."""
+        if not self.trained_engines:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = str(filepath)
+        if self.is_global_zero:
+            if os.path.isfile(path):
+                os.remove(path)
+            os.makedirs(path, exist_ok=True)
+        self.barrier("sharded_checkpoint_dir")
+        meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
+        for name, engine in self.trained_engines.items():
+            engine.save_checkpoint(os.path.join(path, name), tag=TAG)
+        if self.is_global_zero:
+            checkpoint["posttrain_sharded"] = meta
+            self.checkpoint_io.save_checkpoint(checkpoint, os.path.join(path, LIGHTNING_STATE))
+            with open(os.path.join(path, META), "w") as f:
+                json.dump(meta, f, indent=1)
+        self.barrier("sharded_checkpoint_saved")
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero and os.path.isdir(str(filepath)):
+            shutil.rmtree(str(filepath))
+        else:
+            super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        if not os.path.isdir(path):
+            if self.trained_engines:
+                raise ValueError(f"{path!r} is a single-file checkpoint, but experts {sorted(self.engines)} are "
+                                 f"sharded: resume a folder checkpoint written by ShardedExpertsStrategy, or set "
+                                 f"`sharded: false` to resume a plain DDP checkpoint")
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if not self.engines:  # validate / predict / test: full weights, no engines
+            return load_full_checkpoint(path)
+        checkpoint = torch.load(os.path.join(path, LIGHTNING_STATE), map_location="cpu", weights_only=False)
+        self.check_resumable(checkpoint, path)
+        for name, engine in self.trained_engines.items():
+            load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            if load_path is None:
+                raise FileNotFoundError(f"no ZeRO checkpoint of expert {name!r} under {os.path.join(path, name)!r}")
+        return checkpoint
+
+    def _load_tag(self, name: str) -> str:
+        universal = self._card().specs[name].zero.extra.get("checkpoint", {}).get("load_universal", False)
+        return f"{TAG}_universal" if universal else TAG
+
+    def check_resumable(self, checkpoint: dict, path: str) -> None:
+        """Refuse, before anything loads, a checkpoint of other experts, other ZeRO stages or world size."""
+        from posttrain.lit.base import check_signature
+
+        card = self._card()
+        if "posttrain" in checkpoint:
+            check_signature(checkpoint["posttrain"]["signature"], card.signature())
+        saved: dict = checkpoint.get("posttrain_sharded", {})
+        problems, resize = [], []
+        for name in sorted(set(saved) | set(self.trained_engines)):
+            if name not in self.trained_engines:
+                problems.append(f"expert {name!r} is sharded in the checkpoint but not in this run")
+            elif name not in saved:
+                problems.append(f"expert {name!r} is sharded in this run but not in the checkpoint")
+            else:
+                now = sharded_meta(card.specs[name], self.world_size)
+                if saved[name]["stage"] != now["stage"]:
+                    problems.append(f"expert {name!r}: checkpoint has ZeRO stage {saved[name]['stage']}, this run "
+                                    f"{now['stage']}; set `zero: {{stage: {saved[name]['stage']}}}` to resume")
+                if saved[name]["world_size"] != now["world_size"] and self._load_tag(name) == TAG:
+                    resize.append(name)
+        if problems:
+            raise ValueError(f"checkpoint {path!r} does not match this run's sharding; nothing was loaded:\n  - "
+                             + "\n  - ".join(problems))
+        if resize:
+            saved_world = saved[resize[0]]["world_size"]
+            commands = "\n".join(
+                f"    python -m deepspeed.checkpoint.ds_to_universal --input_folder {os.path.join(path, n, TAG)} "
+                f"--output_folder {os.path.join(path, n, TAG + '_universal')}"
+                + (" --inject_missing_state" if saved[n]["stage"] == 2 else "") for n in resize)
+            raise ValueError(
+                f"checkpoint {path!r} was written by {saved_world} processes, this run has {self.world_size}: ZeRO "
+                f"shards of {resize} cannot be loaded at another world size. Convert them to DeepSpeed universal "
+                f"checkpoints once:\n{commands}\nthen add `zero: {{extra: {{checkpoint: {{load_universal: true}}}}}}` "
+                f"to each of those experts and resume again (or resume with devices*num_nodes = {saved_world}).")
+
+
+# ---------------------------------------------------------------------- DeepSpeed configs
+def deepspeed_config(spec: Expert, model: Optional[torch.nn.Module] = None) -> dict[str, Any]:
+    """The DeepSpeed config of one sharded expert, from ``Expert.zero`` (``extra`` merged last).
+
+    With the built ``model``, buckets, ZeRO-3's live-parameter limits and sub-groups are sized to it (an
+    eighth of its parameters, at least its largest tensor, at most DeepSpeed's default). Its defaults are
+    made for billions of parameters: a 5e8-element gradient bucket (2 GB in fp32) whatever the model, and
+    ZeRO-3 keeping up to 1e9 gathered parameters alive between forward and backward — for a smaller
+    expert that is all of it, and ZeRO-3 would then use more memory than DDP.
+    """
+    zero = spec.zero
+    zero_optimization: dict[str, Any] = {"stage": zero.stage}
+    if model is not None:
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+        bucket = int(min(5e8, max(max(sizes), sum(sizes) // 8)))
+        zero_optimization.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        if zero.stage == 3:
+            # sub_group_size: the optimizer steps the partition in sub-groups, with one fp32 gradient buffer
+            # of the largest sub-group (the default, 1e9, makes it a second copy of the gradient partition)
+            zero_optimization.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=bucket,
+                                     stage3_max_reuse_distance=bucket, sub_group_size=bucket)
+    if zero.offload_optimizer:
+        zero_optimization["offload_optimizer"] = {"device": "cpu"}
+    if zero.offload_params:
+        zero_optimization["offload_param"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # unused: the method feeds batches, DeepSpeed never sees them
+        "gradient_accumulation_steps": spec.accumulate,
+        "gradient_clipping": float(spec.grad_clip) if spec.grad_clip is not None else 0.0,
+        "zero_optimization": zero_optimization,
+        "bf16": {"enabled": zero.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,  # the card's own torch optimizer, as under DDP
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, copy.deepcopy(zero.extra))
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def validate_zero_configs(card: ModelCard) -> None:
+    """Every sharded expert's ZeRO config checked by DeepSpeed itself, all problems in one message."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    problems = []
+    for name, spec in card.specs.items():
+        if not spec.sharded:
+            continue
+        if spec.zero.offload_params and spec.zero.stage != 3:
+            problems.append(f"expert {name!r}: offload_params needs stage 3 (got stage {spec.zero.stage})")
+        if not spec.trainable and spec.zero.stage != 3:
+            problems.append(f"expert {name!r} is frozen and sharded: only ZeRO stage 3 shards a frozen model "
+                            f"(got stage {spec.zero.stage}); set `zero: {{stage: 3}}` or `sharded: false`")
+        if spec.lora is not None and spec.zero.stage == 3:
+            problems.append(f"expert {name!r}: LoRA adapters are added after construction; use stage 2")
+        config = deepspeed_config(spec)
+        try:
+            DeepSpeedConfig(copy.deepcopy(config), mpu=None)
+        except Exception as err:
+            problems.append(f"expert {name!r}: DeepSpeed rejects its config {config}: {type(err).__name__}: "
+                            f"{str(err).strip()}")
+    if problems:
+        raise ValueError("invalid ZeRO settings (`zero:` of sharded experts):\n  - " + "\n  - ".join(problems))
+
+
+def sharded_meta(spec: Expert, world_size: int) -> dict[str, Any]:
+    return {"stage": spec.zero.stage, "world_size": world_size, "precision": spec.zero.precision}
+
+
+# ---------------------------------------------------------------------- export
+def load_full_checkpoint(folder: str) -> dict[str, Any]:
+    """A sharded checkpoint folder as one Lightning checkpoint dict with full fp32 weights.
+
+    ``state_dict`` gets ``card.models.<expert>.<param>`` for every sharded expert, rebuilt from its ZeRO
+    shards by ``deepspeed.utils.zero_to_fp32``; everything else is the saved Lightning state.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state_file = os.path.join(folder, LIGHTNING_STATE)
+    if not os.path.isfile(state_file):
+        raise FileNotFoundError(f"{folder!r} is not a sharded posttrain checkpoint (no {LIGHTNING_STATE})")
+    checkpoint = torch.load(state_file, map_location="cpu", weights_only=False)
+    for name in checkpoint.get("posttrain_sharded", {}):
+        expert_dir = os.path.join(folder, name)
+        tag = TAG if os.path.isdir(os.path.join(expert_dir, TAG)) else None
+        state = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
+        for key, value in state.items():
+            checkpoint["state_dict"][f"card.models.{name}.{key}"] = value
+    return checkpoint

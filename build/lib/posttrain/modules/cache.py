@@ -1,0 +1,63 @@
+"""Prompt-embedding cache keyed by (component, version, content hash).
+
+A frozen text encoder's entries live as long as its version does, so generator updates never flush
+them, and a group of K samples of one prompt encodes it once. ``invalidate(component)`` drops only
+that component's entries; ``hits``/``misses`` give the hit rate logged by the methods.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+
+def content_hash(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+class EmbeddingCache:
+    def __init__(self, max_entries: int = 8192):
+        self.max_entries = max_entries
+        self._store: OrderedDict[tuple[str, int, str], torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def keys_of(self, component: str) -> list[tuple[str, int, str]]:
+        return [key for key in self._store if key[0] == component]
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def get_or_compute(self, component: str, version: int, texts: list[str],
+                       compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
+        """Stack of cached rows for ``texts``; missing unique texts are computed in one batch."""
+        keys = [(component, version, content_hash(t)) for t in texts]
+        missing = list(dict.fromkeys(t for t, k in zip(texts, keys) if k not in self._store))
+        # a miss is a text that had to be encoded; a row repeated in the call (a group of K) is a hit
+        self.misses += len(missing)
+        self.hits += len(texts) - len(missing)
+        if missing:
+            rows = compute(missing)
+            for text, row in zip(missing, rows):
+                self._store[(component, version, content_hash(text))] = row.detach()
+            while len(self._store) > self.max_entries:
+                self._store.popitem(last=False)
+        out = []
+        for key in keys:
+            self._store.move_to_end(key)
+            out.append(self._store[key])
+        return torch.stack(out)
+
+    def invalidate(self, component: str, keep_version: int | None = None) -> int:
+        """Drop ``component``'s entries (those of other versions than ``keep_version``); returns how many."""
+        stale = [k for k in self._store if k[0] == component and k[1] != keep_version]
+        for key in stale:
+            del self._store[key]
+        return len(stale)

@@ -1,0 +1,145 @@
+"""Real model classes, as tiny random-weight presets or loaded with ``from_pretrained``.
+
+Every component of a card is built here from its ``arch`` name. A preset is the constructor config of
+the real ``diffusers``/``transformers`` class, shrunk so that the embedded default trains on a CPU in
+seconds; ``preset`` overrides in YAML change single keys of it. With ``pretrained`` set, the class's
+own ``from_pretrained`` loads a local folder (or a hub id already in the local cache): nothing is
+downloaded at run time.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
+from transformers import (
+    AutoTokenizer,
+    ByT5Tokenizer,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+Arch = Literal["wan_t2v", "wan_i2v", "wan_vae", "umt5", "t5", "qwen2", "flux", "vae_kl"]
+
+# ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model
+# uses this vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them.
+BYT5_VOCAB = 384
+TEXT_DIM = 32
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # WanTransformer3DModel, 0.15M parameters; text_dim matches the tiny UMT5's d_model.
+    "wan_t2v": dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ),
+    # Wan 2.2-style image-to-video: noisy latent (16) + mask (4) + image latent (16) channels in.
+    "wan_i2v": dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=36,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ),
+    # AutoencoderKLWan: 8x spatial, 4x temporal ((F-1)/4+1 latent frames), 16 latent channels. Without
+    # overrides it loads TRAINED_ASSETS["wan_vae"]: a random VAE decodes every latent to nearly one
+    # colour, so no reward on decoded pixels could move.
+    "wan_vae": dict(
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
+        temperal_downsample=[False, True, True],
+    ),
+    "umt5": dict(
+        vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        dropout_rate=0.0, relative_attention_num_buckets=8,
+    ),
+    "t5": dict(
+        vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        dropout_rate=0.0, relative_attention_num_buckets=8,
+    ),
+    "qwen2": dict(
+        vocab_size=BYT5_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
+        pad_token_id=0,
+    ),
+    "flux": dict(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+        axes_dims_rope=(4, 4, 8),
+    ),
+    "vae_kl": dict(
+        block_out_channels=(8, 16, 32, 32), latent_channels=16, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        shift_factor=0.0, scaling_factor=1.0,
+    ),
+}
+
+_DIFFUSERS = {
+    "wan_t2v": WanTransformer3DModel, "wan_i2v": WanTransformer3DModel, "wan_vae": AutoencoderKLWan,
+    "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
+}
+_TRANSFORMERS = {
+    "umt5": (UMT5EncoderModel, UMT5Config), "t5": (T5EncoderModel, T5Config),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+}
+TEXT_ENCODERS = ("umt5", "t5")
+# Tiny presets that carry trained weights (made here from the synthetic data, no download):
+# scripts/train_tiny_vae.py trained this VAE for 3000 steps on the shape videos (7 minutes on a CPU).
+TRAINED_ASSETS = {"wan_vae": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_wan_vae")}
+
+
+def model_class(arch: str) -> type[torch.nn.Module]:
+    if arch in _DIFFUSERS:
+        return _DIFFUSERS[arch]
+    return _TRANSFORMERS[arch][0]
+
+
+def check_pretrained(pretrained: str) -> str | None:
+    """The problem with a ``pretrained`` value, or None. A hub id must already be in the local cache."""
+    if os.path.isdir(pretrained):
+        return None
+    if os.path.exists(pretrained) or pretrained.startswith((".", "/", "~")) or pretrained.count("/") != 1:
+        return f"pretrained path {pretrained!r} is not a folder"
+    return None  # "org/name": resolved from the local Hugging Face cache at build time
+
+
+def build_model(arch: str, pretrained: str | None = None, subfolder: str | None = None,
+                preset: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """One real model: the tiny preset (with ``preset`` overrides: random weights), its trained asset
+    (``TRAINED_ASSETS``, when there are no overrides), or ``from_pretrained(pretrained)``."""
+    if arch not in PRESETS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(PRESETS)}")
+    if pretrained is not None:
+        kwargs: dict[str, Any] = {"local_files_only": not os.path.isdir(pretrained)}
+        if subfolder:
+            kwargs["subfolder"] = subfolder
+        if dtype not in (None, torch.float32):
+            kwargs["torch_dtype"] = dtype
+        try:
+            return model_class(arch).from_pretrained(pretrained, **kwargs)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"could not load {arch!r} from pretrained={pretrained!r}"
+                f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "
+                f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
+            ) from err
+    if arch in TRAINED_ASSETS and not preset:
+        model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
+        return model.to(dtype) if dtype not in (None, torch.float32) else model
+    config = {**PRESETS[arch], **(preset or {})}
+    if arch in _DIFFUSERS:
+        model = _DIFFUSERS[arch](**config)
+    else:
+        cls, config_cls = _TRANSFORMERS[arch]
+        model = cls(config_cls(**config))
+    return model.to(dtype) if dtype not in (None, torch.float32) else model
+
+
+def build_tokenizer(path: str | None = None):
+    """``ByT5Tokenizer()`` needs no vocabulary file; a real text encoder names its own tokenizer folder."""
+    if path is None:
+        return ByT5Tokenizer()
+    return AutoTokenizer.from_pretrained(path, local_files_only=not os.path.isdir(path))

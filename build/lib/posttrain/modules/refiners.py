@@ -1,0 +1,229 @@
+"""Prompt refiners: a causal LM samples a refinement of each prompt, with token log-probabilities.
+
+The refiner policy is the LM's next-token distribution restricted to the ByT5 byte tokens (ids 3…258,
+byte + 3) plus EOS, at a temperature: a random tiny LM then still emits valid text, and the sampled
+log-probabilities and their recompute with gradient see the *same* distribution. The LM is prompted
+chat-free: the context is ``template.format(prompt=...)`` (default ``"{prompt}\\n"``), left-padded to
+the longest prompt of the batch; the completion ends at the first EOS (kept, it is an action) and is
+padded after it.
+
+Losses (METHODS.md, joint_rl; UniRL / PromptRL):
+- token policy gradient ``-(A·exp(lp - sg(lp)))`` averaged over a completion's tokens: its value is
+  ``-A`` and its gradient ``-A·∇lp``, REINFORCE with the group advantage A of the sample;
+- k3 KL to the frozen reference ``exp(ref - lp) - (ref - lp) - 1`` (Schulman's unbiased, non-negative
+  estimator of KL(π‖π_ref) from samples of π), averaged over the same tokens.
+Everything random takes a ``torch.Generator`` so a resumed run samples the same refinements.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+BYTE_TOKENS = (3, 258)  # ByT5: id = byte + 3, bytes 0…255
+PAD_ID, EOS_ID = 0, 1
+DEFAULT_TEMPLATE = "{prompt}\n"
+
+
+@dataclass
+class Refinements:
+    """A batch of sampled refinements. ``T`` = the longest completion of the batch (≤ max_new_tokens)."""
+
+    texts: list[str]
+    tokens: torch.Tensor  # (B, T) long, PAD after EOS
+    mask: torch.Tensor  # (B, T) bool, completion tokens including the EOS that ends one
+    log_probs: torch.Tensor  # (B, T) float32 log π(token) at sampling time, 0 where ~mask
+    context_ids: torch.Tensor  # (B, L) long, left-padded
+    context_mask: torch.Tensor  # (B, L) long, 0 on left padding
+
+    def select(self, index: torch.Tensor) -> "Refinements":
+        """The rows ``index`` (a (M,) long tensor)."""
+        rows = index.tolist()
+        return Refinements([self.texts[i] for i in rows], self.tokens[index], self.mask[index],
+                           self.log_probs[index], self.context_ids[index], self.context_mask[index])
+
+
+def allowed_tokens(vocab_size: int, byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
+    """(V,) bool: the byte tokens ``lo…hi`` (inclusive) and EOS."""
+    lo, hi = byte_tokens
+    if not 0 <= lo <= hi < vocab_size or not 0 <= eos_id < vocab_size:
+        raise ValueError(f"byte_tokens={byte_tokens} and eos_id={eos_id} must lie in the vocabulary "
+                         f"[0, {vocab_size})")
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    allowed[lo:hi + 1] = True
+    allowed[eos_id] = True
+    return allowed
+
+
+def encode_contexts(tokenizer, prompts: list[str], template: str = DEFAULT_TEMPLATE,
+                    pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) left-padded context ids and their (B, L) attention mask; no EOS is appended."""
+    if not prompts:
+        raise ValueError("no prompts to refine")
+    rows = [tokenizer(template.format(prompt=p), add_special_tokens=False).input_ids for p in prompts]
+    length = max(len(r) for r in rows)
+    if length == 0:
+        raise ValueError(f"template {template!r} with prompts {prompts!r} gives empty contexts")
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, length - len(row):] = 1
+    return ids, mask
+
+
+def _policy_log_probs(logits: torch.Tensor, allowed: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log-softmax of the logits restricted to ``allowed`` tokens, at ``temperature``; float32."""
+    logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def _forward_log_probs(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor,
+                       allowed: torch.Tensor, temperature: float, positions: slice) -> torch.Tensor:
+    """(B, P, V) policy log-probs of the next token after each position in ``positions``."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
+    return _policy_log_probs(logits[:, positions], allowed, temperature)
+
+
+@torch.no_grad()
+def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], generator: torch.Generator,
+                       max_new_tokens: int = 8, temperature: float = 1.0, template: str = DEFAULT_TEMPLATE,
+                       byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID,
+                       pad_id: int = PAD_ID) -> Refinements:
+    """Sample one refinement per prompt, capturing each token's log-probability.
+
+    A loop over the real LM's forward with its KV cache: the context once, then one token per step.
+    Recomputing with ``completion_log_probs`` (one forward, no cache) reproduces the captured
+    log-probs to float error (the LM's C2 identity). Stops when every row has emitted EOS.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    allowed = allowed_tokens(vocab, byte_tokens, eos_id).to(device)
+    context_ids, context_mask = encode_contexts(tokenizer, prompts, template, pad_id)
+    step_ids, attn = context_ids.to(device), context_mask.to(device)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = None
+    batch = len(prompts)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens, masks, log_probs = [], [], []
+    for _ in range(max_new_tokens):
+        # 1. next-token policy at the last position (left padding puts every row's last token there)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = model(input_ids=step_ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
+                    **{cache_kw: cache})
+        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        lp = _policy_log_probs(out.logits[:, -1], allowed, temperature)  # (B, V)
+        # 2. sample from it with the caller's generator (on its device), keep the token's log-prob
+        token = torch.multinomial(lp.exp().to(generator.device), 1, generator=generator).to(device)[:, 0]
+        token_lp = lp.gather(1, token[:, None])[:, 0]
+        live = ~done
+        token = torch.where(live, token, torch.full_like(token, pad_id))
+        tokens.append(token)
+        masks.append(live)
+        log_probs.append(torch.where(live, token_lp, torch.zeros_like(token_lp)))
+        # 3. rows that emitted EOS are done; later tokens are padding outside the mask
+        done = done | (token == eos_id)
+        step_ids = token[:, None]
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        if bool(done.all()):
+            break
+    tokens_t = torch.stack(tokens, dim=1)
+    mask_t = torch.stack(masks, dim=1)
+    texts = [decode_completion(tokenizer, row, eos_id) for row in tokens_t.tolist()]
+    return Refinements(texts, tokens_t, mask_t, torch.stack(log_probs, dim=1).float(),
+                       context_ids.to(device), context_mask.to(device))
+
+
+def decode_completion(tokenizer, token_ids: list[int], eos_id: int = EOS_ID) -> str:
+    """Text of a completion up to (not including) its first EOS; invalid UTF-8 bytes are dropped."""
+    if eos_id in token_ids:
+        token_ids = token_ids[: token_ids.index(eos_id)]
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def completion_log_probs(model: torch.nn.Module, refinements: Refinements, temperature: float = 1.0,
+                         byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
+    """(B, T) log π(token) of the stored completions under ``model``'s current weights, with grad.
+
+    One forward over context + completion; 0 outside ``refinements.mask``. At the sampling weights it
+    reproduces ``refinements.log_probs``.
+    """
+    vocab = model.get_output_embeddings().weight.shape[0]
+    allowed = allowed_tokens(vocab, byte_tokens, eos_id)
+    length, steps = refinements.context_ids.shape[1], refinements.tokens.shape[1]
+    ids = torch.cat([refinements.context_ids, refinements.tokens], dim=1)
+    attn = torch.cat([refinements.context_mask, torch.ones_like(refinements.tokens)], dim=1)
+    # the logits at position L-1+t predict completion token t
+    lp = _forward_log_probs(model, ids, attn, allowed, temperature, slice(length - 1, length - 1 + steps))
+    token_lp = lp.gather(2, refinements.tokens[..., None])[..., 0]
+    return token_lp.masked_fill(~refinements.mask, 0.0)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) mean of ``values`` (B, T) over each row's ``mask``; 0 for an empty row."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+def token_pg_loss(log_probs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-sample token policy gradient ``mean_t -(A·exp(lp_t - sg(lp_t)))`` over the completion tokens.
+
+    Args:
+        log_probs: (B, T) log π_θ(token) with grad.
+        advantages: (B,) one advantage per completion.
+        mask: (B, T) bool, completion tokens (padding after EOS excluded).
+    Returns (B,) losses (value -A where a row has tokens) and metrics.
+    """
+    if log_probs.shape != mask.shape or advantages.shape != log_probs.shape[:1]:
+        raise ValueError(f"token_pg_loss: log_probs {tuple(log_probs.shape)}, mask {tuple(mask.shape)} and "
+                         f"advantages {tuple(advantages.shape)} must be (B, T), (B, T), (B,)")
+    ratio = torch.exp(log_probs - log_probs.detach())  # 1 in value, ∇ = ∇lp
+    per_token = -advantages[:, None].to(log_probs.dtype) * ratio
+    per_sample = _masked_mean(per_token, mask)
+    tokens = mask.sum(dim=1).float()
+    return per_sample, {"tokens": tokens.mean().detach(),
+                        "log_prob": (_masked_mean(log_probs, mask).detach()).mean()}
+
+
+def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+          mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-sample k3 KL ``mean_t [exp(ref - lp) - (ref - lp) - 1]`` over the completion tokens (≥ 0).
+
+    ``log_probs`` (B, T) carries grad, ``ref_log_probs`` (B, T) comes from the frozen reference.
+    """
+    if log_probs.shape != ref_log_probs.shape or log_probs.shape != mask.shape:
+        raise ValueError(f"k3_kl: log_probs {tuple(log_probs.shape)}, ref_log_probs "
+                         f"{tuple(ref_log_probs.shape)} and mask {tuple(mask.shape)} must all be (B, T)")
+    delta = (ref_log_probs.detach() - log_probs).masked_fill(~mask, 0.0)
+    per_token = torch.exp(delta) - delta - 1
+    per_sample = _masked_mean(per_token, mask)
+    return per_sample, {"kl": per_sample.mean().detach()}
+
+
+def compose_prompt(prompt: str, refinements: list[str], separator: str = ", ") -> str:
+    """The generator prompt: the original prompt, then each non-empty refinement in refiner order."""
+    parts = [prompt] + [r.strip() for r in refinements if r.strip()]
+    return separator.join(parts)
+
+
+def target_probability(model: torch.nn.Module, tokenizer, prompts: list[str], token_ids: int | list[int],
+                       temperature: float = 1.0, template: str = DEFAULT_TEMPLATE,
+                       byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
+    """(B,) policy probability that the first refinement token of each prompt is one of ``token_ids``."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    allowed = allowed_tokens(vocab, byte_tokens, eos_id)
+    ids, attn = encode_contexts(tokenizer, prompts, template)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        lp = _forward_log_probs(model, ids.to(device), attn.to(device), allowed, temperature, slice(-1, None))
+    token_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+    return lp[:, 0, token_ids].exp().sum(dim=-1)

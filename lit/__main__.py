@@ -1,3 +1,0 @@
-from lit.cli import main
-
-main()
