@@ -21,12 +21,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from posttrain.callbacks.iterations import IterationCounter
 from posttrain.callbacks.versions import SyncPlan, WeightVersions
+from posttrain.lit import checkpoints
 from posttrain.modules import vae as vae_codec
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
@@ -102,6 +104,7 @@ class ExpertModule(LightningModule):
                 f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
                 f"`{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
         self.generator = torch.Generator().manual_seed(self.seed + self.global_rank)
+        checkpoints.install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
@@ -254,6 +257,28 @@ class ExpertModule(LightningModule):
         seed = int(seeds[0]) if seeds is not None else batch_idx
         return {"prompts": list(batch["prompt"]), "videos": self.generate(list(batch["prompt"]), seed=seed).cpu()}
 
+    # ------------------------------------------------------------------ only training draws from the global RNGs
+    # Between two training batches Lightning may run a validation, or, in a resumed run, fast-forward over the one
+    # the checkpoint was taken before (building the validation loader's iterator draws a seed from the global
+    # torch RNG). Those draws would make a resumed run differ from an uninterrupted one, so the global RNG states
+    # are taken when training starts and after every training batch, and put back before the next one (and at the
+    # end of a validation epoch, before a checkpoint callback could save in ``on_validation_end``).
+    def on_train_start(self) -> None:
+        self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        states = getattr(self, "_rng_between_batches", None)
+        if states is not None:
+            _set_rng_states(states)
+
+    def on_validation_epoch_end(self) -> None:
+        states = getattr(self, "_rng_between_batches", None)
+        if states is not None and self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            _set_rng_states(states)
+
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         generators = [self.generator.get_state()]
@@ -267,7 +292,8 @@ class ExpertModule(LightningModule):
             "generators": generators,
             "micro": dict(self._micro),
             "nan_streak": dict(self._nan_streak),
-            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -283,6 +309,8 @@ class ExpertModule(LightningModule):
         torch.set_rng_state(state["rng"]["torch"])
         _set_numpy_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+        if state["rng"].get("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 def _numpy_state() -> dict:
@@ -303,7 +331,10 @@ def model_config(model: torch.nn.Module) -> dict:
     config = getattr(model, "config", None)
     if config is None:
         return {}
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if "_use_default_values" in config:  # diffusers lists a set here: its order changes with the process
+        config["_use_default_values"] = sorted(config["_use_default_values"])
+    return config
 
 
 def check_signature(saved: dict, current: dict) -> None:

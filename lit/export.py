@@ -17,18 +17,19 @@ from posttrain.modules import presets
 
 
 def load_checkpoint(ckpt: str) -> dict:
-    """The Lightning checkpoint dict of a ``.ckpt`` file or of a sharded checkpoint folder."""
-    if os.path.isdir(ckpt):
-        from posttrain.lit.strategy import load_full_checkpoint  # sharded experts: gather ZeRO shards
+    """The Lightning checkpoint dict of a checkpoint folder (verified against its manifest; ZeRO shards
+    gathered into full weights) or of a single ``.ckpt`` file; never unpickles anything but weights."""
+    from posttrain.lit import checkpoints
 
-        return load_full_checkpoint(ckpt)
-    if not os.path.exists(ckpt):
-        raise FileNotFoundError(f"checkpoint {ckpt!r} does not exist")
-    return torch.load(ckpt, map_location="cpu", weights_only=False)
+    if os.path.isdir(ckpt):
+        from posttrain.lit.strategy import gather_sharded
+
+        return gather_sharded(ckpt, checkpoints.load(ckpt))
+    return checkpoints.load(ckpt)
 
 
 def export(ckpt: str, out: str, expert: str = "transformer",
-           dtype: Literal["float32", "bfloat16"] = "float32") -> str:
+           dtype: Literal["float32", "bfloat16"] = "float32", overwrite: bool = False) -> str:
     """Write ``expert`` of checkpoint ``ckpt`` to folder ``out`` in the diffusers/transformers layout.
 
     Args:
@@ -36,7 +37,13 @@ def export(ckpt: str, out: str, expert: str = "transformer",
         out: the folder to write.
         expert: the component to export (``transformer``, ``transformer_ema``, ``refiner_0``…).
         dtype: the dtype of the written weights.
+        overwrite: write into ``out`` even if it is a folder that is not empty.
     """
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f"--out {out!r} is a folder that is not empty; choose a new folder, or pass "
+                              f"--overwrite to write into it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"--out {out!r} is a file; give a folder path")
     checkpoint = load_checkpoint(ckpt)
     meta = checkpoint.get("posttrain")
     if meta is None:

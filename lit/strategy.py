@@ -34,7 +34,6 @@ import contextlib
 import copy
 import json
 import os
-import shutil
 from typing import Any, ContextManager, Mapping, Optional
 
 import torch
@@ -43,6 +42,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from posttrain.lit import checkpoints as ckpt
 from posttrain.modules.cards import Expert, ModelCard
 
 TAG = "zero"  # engine.save_checkpoint tag inside each expert's folder
@@ -198,30 +198,47 @@ class ShardedExpertsStrategy(DDPStrategy):
                                f"unexpected {unexpected[:5]}")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """A folder: ``lightning.pt`` + one ZeRO shard folder per engine. Every process must call this."""
+        """A checkpoint folder (``lit/checkpoints.py``): ``lightning.pt``, ``sharded.json`` and one ZeRO shard folder
+        per trained engine, written into a temporary folder and committed by rank 0 once every process has written,
+        hashed and fsynced its part. Every process must call this."""
         if not self.trained_engines:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = str(filepath)
+        destination = str(filepath)
+        temp = ckpt.temp_path(destination, self.broadcast(ckpt.new_token() if self.is_global_zero else None))
         if self.is_global_zero:
-            if os.path.isfile(path):
-                os.remove(path)
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(temp)
         self.barrier("sharded_checkpoint_dir")
+        ckpt.fault_point("write:start")
         meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
         for name, engine in self.trained_engines.items():
-            engine.save_checkpoint(os.path.join(path, name), tag=TAG)
+            engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+        ckpt.fault_point("write:shards")
+        hashed: dict[str, dict] = {}
         if self.is_global_zero:
             checkpoint["posttrain_sharded"] = meta
-            self.checkpoint_io.save_checkpoint(checkpoint, os.path.join(path, LIGHTNING_STATE))
-            with open(os.path.join(path, META), "w") as f:
+            hashed[LIGHTNING_STATE] = ckpt.save_state(checkpoint, os.path.join(temp, LIGHTNING_STATE))
+            with open(os.path.join(temp, META), "w") as f:
                 json.dump(meta, f, indent=1)
+        ckpt.fault_point("write:state")
+        self.barrier("sharded_checkpoint_written")
+        # every process hashes and fsyncs a share of the files (the shards are most of the bytes)
+        files = [rel for rel in ckpt.files_under(temp) if rel != LIGHTNING_STATE]
+        mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
+                for rel in files[self.global_rank::self.world_size]}
+        shares: list = [None] * self.world_size
+        dist.all_gather_object(shares, mine)
+        if self.is_global_zero:
+            for share in shares:
+                hashed.update(share)
+            extra = (storage_options or {}).get(ckpt.META_OPTION) if isinstance(storage_options, dict) else None
+            ckpt.commit(temp, destination, hashed,
+                        meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+                              "world_size": self.world_size, **(extra or {})})
         self.barrier("sharded_checkpoint_saved")
 
     def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero and os.path.isdir(str(filepath)):
-            shutil.rmtree(str(filepath))
-        else:
-            super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            ckpt.remove_entry(str(filepath))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = str(checkpoint_path)
@@ -233,13 +250,15 @@ class ShardedExpertsStrategy(DDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         if not self.engines:  # validate / predict / test: full weights, no engines
             return load_full_checkpoint(path)
-        checkpoint = torch.load(os.path.join(path, LIGHTNING_STATE), map_location="cpu", weights_only=False)
+        checkpoint = ckpt.load(path)  # every file verified against the manifest (shards too), then weights only
         self.check_resumable(checkpoint, path)
-        for name, engine in self.trained_engines.items():
-            load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
-            if load_path is None:
-                raise FileNotFoundError(f"no ZeRO checkpoint of expert {name!r} under {os.path.join(path, name)!r}")
+        with ckpt.restricted_unpickling():  # DeepSpeed's own torch.load calls: weights only, allow-listed types
+            for name, engine in self.trained_engines.items():
+                load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
+                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
+                if load_path is None:
+                    raise FileNotFoundError(f"no ZeRO checkpoint of expert {name!r} under "
+                                            f"{os.path.join(path, name)!r}")
         return checkpoint
 
     def _load_tag(self, name: str) -> str:
@@ -362,21 +381,23 @@ def sharded_meta(spec: Expert, world_size: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- export
 def load_full_checkpoint(folder: str) -> dict[str, Any]:
-    """A sharded checkpoint folder as one Lightning checkpoint dict with full fp32 weights.
+    """A sharded checkpoint folder as one Lightning checkpoint dict with full fp32 weights (verified first)."""
+    if not os.path.isfile(os.path.join(folder, LIGHTNING_STATE)):
+        raise FileNotFoundError(f"{folder!r} is not a sharded posttrain checkpoint (no {LIGHTNING_STATE})")
+    return gather_sharded(folder, ckpt.load(folder))
 
-    ``state_dict`` gets ``card.models.<expert>.<param>`` for every sharded expert, rebuilt from its ZeRO
-    shards by ``deepspeed.utils.zero_to_fp32``; everything else is the saved Lightning state.
-    """
+
+def gather_sharded(folder: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Add to ``checkpoint["state_dict"]`` ``card.models.<expert>.<param>`` of every sharded expert, rebuilt from
+    its ZeRO shards by ``deepspeed.utils.zero_to_fp32`` (under ``restricted_unpickling``). ``folder`` must have
+    been verified (``lit.checkpoints.verify``)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state_file = os.path.join(folder, LIGHTNING_STATE)
-    if not os.path.isfile(state_file):
-        raise FileNotFoundError(f"{folder!r} is not a sharded posttrain checkpoint (no {LIGHTNING_STATE})")
-    checkpoint = torch.load(state_file, map_location="cpu", weights_only=False)
     for name in checkpoint.get("posttrain_sharded", {}):
         expert_dir = os.path.join(folder, name)
         tag = TAG if os.path.isdir(os.path.join(expert_dir, TAG)) else None
-        state = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
+        with ckpt.restricted_unpickling():
+            state = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
         for key, value in state.items():
             checkpoint["state_dict"][f"card.models.{name}.{key}"] = value
     return checkpoint

@@ -43,3 +43,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kills", type=int, default=None,
+                     help="tests/test_kill_anywhere.py: kill moments per config (default: the CI set of 3)")

@@ -50,7 +50,7 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
             "strategy": {"class_path": "posttrain.lit.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
             "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
             "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
-            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "callbacks": [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
                            "init_args": {"dirpath": os.path.join(root, "ckpt"), "every_n_train_steps": 2,
                                          "save_last": True, "save_top_k": 0}}, *callbacks],
         },

@@ -154,6 +154,8 @@ def test_two_experts_under_ddp(tmp_path):
     assert "find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`" in refused.stderr
     done = run("ddp_find_unused_parameters_true")
     assert done.returncode == 0, done.stderr[-3000:]
-    state = torch.load(tmp_path / "ddp_find_unused_parameters_true" / "last.ckpt", weights_only=False)
+    from posttrain.lit.checkpoints import load
+
+    state = load(str(tmp_path / "ddp_find_unused_parameters_true" / "last.ckpt"))
     assert state["global_step"] == 2
     assert state["posttrain_versions"]["transformer"] == 2 and state["posttrain_versions"]["critic"] == 2

@@ -1,0 +1,152 @@
+"""``ModelCheckpoint`` with atomic, verified checkpoints and one unambiguous ``last``.
+
+Lightning's ``ModelCheckpoint`` with these changes (same arguments; configs name
+``posttrain.callbacks.checkpoints.ModelCheckpoint``):
+
+- every checkpoint is a folder written by ``posttrain.lit.checkpoints`` (temporary name, fsync, manifest,
+  rename), so a kill never leaves a torn checkpoint where a resume would read it;
+- ``last.ckpt`` is a symlink switched atomically to the newest checkpoint (to the top-k checkpoint of that
+  iteration, or to a hidden ``.last/`` one when none was written); a rerun never writes ``last-v1.ckpt``;
+- ``--ckpt_path last`` resolves to what ``last.ckpt`` points to if it verifies, else to the newest checkpoint
+  that does, saying so; a checkpoint of a run that then failed (e.g. the NaN stop) is resumed only with a
+  message that names the newest checkpoint of an earlier, healthy run;
+- under manual optimization (every posttrain method) the checkpoint is taken after the iteration — all experts
+  stepped, versions bumped, the data position advanced — which is the state a resume must continue from.
+  Lightning's own manual-optimization path warns and saves the same thing.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+from weakref import proxy
+
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from posttrain.lit import checkpoints as ckpt
+
+
+class ModelCheckpoint(LightningModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (same arguments) writing atomic, verified checkpoint folders.
+
+    ``enable_version_counter`` defaults to False here: a name written again (a rerun in the same folder)
+    replaces the old checkpoint atomically instead of adding ``-v1``.
+    """
+
+    def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
+        super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
+        self._cleaned = False
+        self._pending_removals: list[str] = []
+
+    # ------------------------------------------------------------------ resolve `last`
+    def _checkpoint_dir(self, trainer) -> str:
+        if self.dirpath is not None:
+            return str(self.dirpath)
+        return str(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # Lightning's (private) default folder
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        """``--ckpt_path last``: one verified checkpoint (Lightning picks the newest file among several)."""
+        path = ckpt.resolve_last(self._checkpoint_dir(trainer), say=rank_zero_warn)
+        return {path} if path else set()
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if not _is_local_file_protocol(str(self.dirpath)):
+            raise ValueError(f"ModelCheckpoint dirpath {self.dirpath!r}: atomic checkpoints need a local or shared "
+                             f"POSIX folder (rename and fsync); write there and copy to remote storage afterwards")
+        ckpt.install_checkpoint_io(trainer.strategy)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        fit_loop = trainer.fit_loop
+        progress = fit_loop.epoch_progress.current
+        if fit_loop.restarted_mid_epoch and fit_loop.epoch_loop.restarted_on_train_batch_end \
+                and progress.ready == progress.processed:
+            # Resumed from a checkpoint taken on an epoch's last batch: Lightning closed that epoch in its reset
+            # but would enter the next one as if mid-epoch, skipping its start (counters, on_train_epoch_start
+            # hooks); the uninterrupted run starts it normally, so let the loop do that.
+            fit_loop.reset_restart_stage()
+
+    # ------------------------------------------------------------------ when to save
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Save on ``every_n_train_steps`` / ``train_time_interval`` after the whole iteration, under manual and
+        automatic optimization alike (``IterationCounter`` has already counted this iteration)."""
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        skip_batch = self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps != 0
+        skip_time, now = True, time.monotonic()
+        if self._train_time_interval is not None:
+            previous = self._last_time_checked
+            skip_time = previous is None or now - previous < self._train_time_interval.total_seconds()
+            skip_time = trainer.strategy.broadcast(skip_time)  # one decision for all processes
+        if skip_batch and skip_time:
+            return
+        if not skip_time:
+            self._last_time_checked = now
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:
+            self._defer_save_until_validation = True  # saved in on_validation_end, once the metric exists
+            return
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
+    # ------------------------------------------------------------------ how to save
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        if trainer.is_global_zero and not self._cleaned:
+            ckpt.clean_stale(self._checkpoint_dir(trainer))  # what killed saves left behind
+        self._cleaned = True
+        meta = {"wandb_run_id": wandb_run_id_of(trainer)}
+        trainer.save_checkpoint(filepath, self.save_weights_only, storage_options={ckpt.META_OPTION: meta})
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
+        """Point ``last.ckpt`` at this iteration's checkpoint, writing a hidden one if top-k wrote none."""
+        if not self.save_last:
+            return
+        dirpath = self._checkpoint_dir(trainer)
+        if self._last_checkpoint_saved and self._last_global_step_saved == trainer.global_step:
+            target = self._last_checkpoint_saved
+        else:
+            name = os.path.basename(self.format_checkpoint_name(monitor_candidates))
+            target = os.path.join(dirpath, ckpt.HIDDEN, name)
+            self._save_checkpoint(trainer, target)
+        self.last_model_path = os.path.join(dirpath, ckpt.LAST)
+        if trainer.is_global_zero:
+            current = ckpt.last_target(dirpath)
+            if current is None or os.path.realpath(current) != os.path.realpath(target):
+                ckpt.link_last(dirpath, target)
+            for path in self._pending_removals:
+                ckpt.remove_entry(path)
+            ckpt.prune_hidden(dirpath, keep=2)
+        self._pending_removals = []
+        trainer.strategy.barrier("posttrain_last_checkpoint")
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        """Top-k removals wait while ``last.ckpt`` still points at the checkpoint (until it is switched)."""
+        current = ckpt.last_target(self._checkpoint_dir(trainer)) if trainer.is_global_zero else None
+        if current is not None and os.path.realpath(current) == os.path.realpath(filepath):
+            self._pending_removals.append(filepath)
+            return
+        super()._remove_checkpoint(trainer, filepath)
+
+    # ------------------------------------------------------------------ failed runs
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not isinstance(exception,
+                                                                                               KeyboardInterrupt):
+            ckpt.note_failure(self._checkpoint_dir(trainer), exception, trainer.global_step)
+
+
+def wandb_run_id_of(trainer) -> Any:
+    """The W&B run id of the trainer's ``WandbLogger`` (kept in every manifest for resuming the same run)."""
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            return logger.version
+    return None

@@ -1,0 +1,509 @@
+"""Checkpoints that survive any kill, refuse corruption and never run code.
+
+Every checkpoint is a folder ``<name>.ckpt/``, whatever the strategy::
+
+    lightning.pt       the Lightning state (weights, optimizers, loops, RNGs, versions, data position)
+    sharded.json       (ShardedExpertsStrategy) ZeRO stage and world size of each sharded expert
+    <expert>/zero/...  (ShardedExpertsStrategy) one ``engine.save_checkpoint`` folder per sharded expert
+    manifest.json      size and SHA-256 of every other file; written last, it marks the folder complete
+
+Writing one checkpoint (the commit-marker protocol of Orbax and torch.distributed.checkpoint):
+
+1. every file goes into a fresh temporary folder ``.tmp-<token>-<name>.ckpt`` beside the destination (same
+   filesystem, so the final rename is atomic); ``lightning.pt`` is hashed while it is written, the ZeRO shards
+   are hashed by every process for its share once all are written; every file is flushed and fsynced;
+2. ``manifest.json`` is written and fsynced, then the temporary folder;
+3. ``rename(temp, destination)`` and an fsync of the parent folder: the checkpoint appears whole or not at all;
+4. ``last.ckpt`` is a relative symlink, switched to the new folder by ``rename`` of a fresh symlink over it.
+
+A kill at any instant therefore leaves ``last.ckpt`` on the previous complete checkpoint or on the new one.
+Leftover temporary folders are never read and are removed at the next save.
+
+Reading: ``verify`` checks the manifest (every file present, same size and hash, no unexpected file) before
+anything is unpickled, and names the first file that differs; ``resolve_last`` falls back to the newest
+checkpoint that verifies, saying so. Nothing is unpickled beyond an allow-list: ``lightning.pt`` loads with
+``weights_only=True``, and DeepSpeed's own shard loaders run under ``restricted_unpickling`` (which forces
+``weights_only=True`` on every ``torch.load`` DeepSpeed makes, with its three checkpoint types allowed).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+FORMAT = "posttrain-checkpoint/1"
+MANIFEST = "manifest.json"
+STATE = "lightning.pt"
+LAST = "last.ckpt"
+HIDDEN = ".last"  # entries only ``last.ckpt`` points to (no top-k checkpoint was written at that step)
+FAILED = "last.ckpt.failed.json"  # written when a fit run ends with an error
+TEMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
+HASH = "sha256"
+CHUNK = 8 << 20
+# folders a user adds to a checkpoint after it was written, by a documented command (not in the manifest):
+# ``python -m deepspeed.checkpoint.ds_to_universal --output_folder <ckpt>/<expert>/zero_universal``
+ADDED_LATER = ("zero_universal",)
+RUN_ID = uuid.uuid4().hex[:12]  # this process's fit attempt; every manifest it writes carries it
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or not a posttrain checkpoint. The message names the file."""
+
+
+def fault_point(name: str) -> None:
+    """A named instant of the write and load protocols. Does nothing; the kill tests wrap it."""
+
+
+# ---------------------------------------------------------------------- no foreign code
+def allowed_globals() -> list:
+    """The only non-builtin types ``torch.load`` may build from a checkpoint.
+
+    ``lightning.pt`` needs none (tensors, dicts, lists, tuples, numbers, strings; numpy's RNG state is stored
+    as a tensor). DeepSpeed's optimizer shards hold these three, plain data objects without code.
+    """
+    allowed: list = []
+    with contextlib.suppress(ImportError):
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    return allowed
+
+
+@contextlib.contextmanager
+def restricted_unpickling() -> Iterator[None]:
+    """Every ``torch.load`` inside runs with ``weights_only=True`` and the allow-list, also the ones DeepSpeed
+    makes with ``weights_only=False`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the argument)."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def load_state(file: str) -> dict[str, Any]:
+    """``torch.load`` of one state file, weights only, with the allow-list."""
+    try:
+        with restricted_unpickling():
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "Unsupported global" in str(err) or "weights_only" in str(err):
+            raise CheckpointError(
+                f"{file}: refused to unpickle it: it holds objects outside the allow-list of checkpoint types "
+                f"({reason}). posttrain never runs code from a checkpoint; load only checkpoints written by "
+                f"`posttrain fit`") from None
+        raise CheckpointError(f"{file}: not a readable checkpoint ({type(err).__name__}: {reason})") from None
+
+
+# ---------------------------------------------------------------------- writing
+class _HashingWriter:
+    """A binary file that hashes and counts what passes through it (``torch.save`` writes sequentially)."""
+
+    def __init__(self, f):
+        self.f, self.hash, self.size = f, hashlib.new(HASH), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.hash.update(view)
+        self.size += view.nbytes
+        fault_point("write:bytes")
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def digest(self) -> dict[str, Any]:
+        return {"size": self.size, HASH: self.hash.hexdigest()}
+
+
+def save_state(checkpoint: dict[str, Any], file: str) -> dict[str, Any]:
+    """``torch.save`` into ``file``, hashed on the way, flushed and fsynced; returns its manifest entry."""
+    with open(file, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(checkpoint, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return writer.digest()
+
+
+def hash_file(path: str, sync: bool = False) -> dict[str, Any]:
+    """Size and hash of a file (and an fsync of it when ``sync``: for files other code wrote)."""
+    h, size = hashlib.new(HASH), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return {"size": size, HASH: h.hexdigest()}
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def files_under(root: str) -> list[str]:
+    """Every file under ``root``, as sorted ``/``-separated relative paths."""
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            found.append(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def new_token() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def temp_path(destination: str, token: str) -> str:
+    """The temporary name of ``destination`` while it is written: same folder, hidden, unique."""
+    parent, name = os.path.split(os.path.abspath(destination))
+    return os.path.join(parent, f"{TEMP_PREFIX}{token}-{name}")
+
+
+def commit(temp: str, destination: str, hashed: dict[str, dict], meta: Optional[dict] = None) -> None:
+    """Finish ``temp`` (hash and fsync what ``hashed`` lacks, write the manifest) and rename it to
+    ``destination``. One process calls this, after every process wrote its files."""
+    files = dict(hashed)
+    for rel in files_under(temp):
+        if rel not in files:
+            files[rel] = hash_file(os.path.join(temp, *rel.split("/")), sync=True)
+    manifest = {"format": FORMAT, "hash": HASH, "written_at": time.time(), "run": RUN_ID, **(meta or {}),
+                "files": files}
+    with open(os.path.join(temp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    for folder, _, _ in sorted(os.walk(temp), key=lambda entry: -len(entry[0])):  # deepest first
+        fsync_dir(folder)
+    fault_point("write:manifest")
+    parent = os.path.dirname(os.path.abspath(destination))
+    if os.path.lexists(destination):
+        # a name written before (a rerun): set the old one aside until the new one is in place
+        old = os.path.join(parent, f"{OLD_PREFIX}{new_token()}-{os.path.basename(destination)}")
+        os.rename(destination, old)
+        os.rename(temp, destination)
+        fsync_dir(parent)
+        remove_entry(old)
+    else:
+        os.rename(temp, destination)
+        fsync_dir(parent)
+    fault_point("write:committed")
+
+
+def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optional[dict] = None) -> None:
+    """Write ``checkpoint`` as a complete checkpoint folder at ``destination`` (one process)."""
+    os.makedirs(os.path.dirname(os.path.abspath(destination)), exist_ok=True)
+    temp = temp_path(destination, new_token())
+    os.makedirs(temp)
+    fault_point("write:start")
+    digest = save_state(checkpoint, os.path.join(temp, STATE))
+    fault_point("write:state")
+    commit(temp, destination, {STATE: digest}, meta=_meta_of(checkpoint, meta))
+
+
+def _meta_of(checkpoint: dict, meta: Optional[dict]) -> dict:
+    return {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), **(meta or {})}
+
+
+def remove_entry(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------------- reading
+_verified: dict[str, tuple] = {}  # realpath -> stat fingerprint of a folder that verified in this process
+
+
+def _fingerprint(folder: str, rels: list[str]) -> tuple:
+    stats = []
+    for rel in [MANIFEST, *rels]:
+        st = os.stat(os.path.join(folder, *rel.split("/")))
+        stats.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(stats)
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder}: no {MANIFEST}: an incomplete checkpoint (killed while written?) or not "
+                              f"one posttrain wrote; resume another checkpoint of this run (`--ckpt_path last` "
+                              f"picks the newest complete one)")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: corrupt manifest ({err}); the checkpoint cannot be verified") from None
+    return manifest
+
+
+def verify(path: str) -> dict[str, Any]:
+    """Check checkpoint folder ``path`` against its manifest before anything is loaded; returns the manifest.
+
+    Raises ``CheckpointError`` naming the first missing, truncated, changed or unexpected file.
+    """
+    folder = os.path.realpath(path)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{path}: not a checkpoint folder")
+    manifest = read_manifest(folder)
+    files: dict[str, dict] = manifest["files"]
+    algorithm = manifest.get("hash", HASH)
+    if algorithm not in hashlib.algorithms_available:
+        raise CheckpointError(f"{path}/{MANIFEST}: unknown hash {algorithm!r}")
+    extra = [rel for rel in files_under(folder) if rel != MANIFEST and rel not in files
+             and not any(part in ADDED_LATER for part in rel.split("/")[:-1])]
+    if extra:
+        raise CheckpointError(f"{os.path.join(path, extra[0])}: not in the checkpoint's manifest ({len(extra)} such "
+                              f"file(s)); it was added after the checkpoint was written. Remove it, or resume "
+                              f"another checkpoint")
+    for rel, expected in files.items():
+        file = os.path.join(folder, *rel.split("/"))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{os.path.join(path, rel)}: missing (the manifest lists it)")
+    try:
+        fingerprint = _fingerprint(folder, list(files))
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err})") from None
+    if _verified.get(folder) == fingerprint:
+        return manifest
+    for rel, expected in files.items():
+        file = os.path.join(folder, *rel.split("/"))
+        size = os.path.getsize(file)
+        if size != expected["size"]:
+            raise CheckpointError(f"{os.path.join(path, rel)}: {size} bytes, the manifest says {expected['size']} "
+                                  f"(truncated or overwritten); this checkpoint is damaged")
+        h = hashlib.new(algorithm)
+        with open(file, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+        if h.hexdigest() != expected[algorithm]:
+            raise CheckpointError(f"{os.path.join(path, rel)}: content differs from the manifest ({algorithm} "
+                                  f"mismatch: corrupted on disk or changed after writing); this checkpoint is "
+                                  f"damaged")
+    _verified[folder] = fingerprint
+    return manifest
+
+
+def load(path: str) -> dict[str, Any]:
+    """The Lightning state of checkpoint ``path``, verified, weights only (ZeRO shards are not read here)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    if os.path.isdir(path):
+        verify(path)
+        fault_point("load:verified")
+        return load_state(os.path.join(path, STATE))
+    # a single file: written by Lightning itself or an older posttrain, without a manifest
+    warnings.warn(f"{path}: a single-file checkpoint without a manifest: its integrity cannot be checked "
+                  f"(posttrain writes checkpoint folders with a manifest); loading it weights-only", stacklevel=2)
+    return load_state(path)
+
+
+# ---------------------------------------------------------------------- last
+def link_last(dirpath: str, target: str) -> None:
+    """Point ``dirpath/last.ckpt`` at ``target`` atomically (a relative symlink renamed over the old one)."""
+    last = os.path.join(dirpath, LAST)
+    if os.path.isdir(last) and not os.path.islink(last):
+        # a real folder written before links existed: keep it under another name
+        os.rename(last, os.path.join(dirpath, f"last-{time.strftime('%Y%m%d-%H%M%S')}.ckpt"))
+    elif os.path.isfile(last) and not os.path.islink(last):
+        os.rename(last, os.path.join(dirpath, f"last-{time.strftime('%Y%m%d-%H%M%S')}.ckpt"))
+    link = os.path.join(dirpath, f"{TEMP_PREFIX}{new_token()}-{LAST}")
+    os.symlink(os.path.relpath(os.path.abspath(target), os.path.abspath(dirpath)), link)
+    os.replace(link, last)
+    fsync_dir(dirpath)
+    fault_point("write:linked")
+
+
+def last_target(dirpath: str) -> Optional[str]:
+    """What ``last.ckpt`` points to (a path), or None."""
+    last = os.path.join(dirpath, LAST)
+    if os.path.islink(last):
+        return os.path.normpath(os.path.join(dirpath, os.readlink(last)))
+    return last if os.path.exists(last) else None
+
+
+def entries(dirpath: str) -> list[str]:
+    """Committed checkpoint folders under ``dirpath`` (named, hidden ``.last/`` ones, and ones set aside by an
+    interrupted replace), newest first by their manifest's time."""
+    found = []
+    for folder in (dirpath, os.path.join(dirpath, HIDDEN)):
+        if not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.startswith(TEMP_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            try:
+                manifest = read_manifest(path)
+            except CheckpointError:
+                continue
+            found.append((manifest.get("written_at", 0.0), manifest.get("global_step") or 0, path))
+    return [path for *_, path in sorted(found, reverse=True)]
+
+
+def resolve_last(dirpath: str, say: Callable[[str], None]) -> Optional[str]:
+    """The checkpoint ``--ckpt_path last`` resumes: what ``last.ckpt`` points to if it verifies, else the newest
+    checkpoint under ``dirpath`` that does (``say`` tells why). None when there is none."""
+    target = last_target(dirpath)
+    problem = None
+    if target is not None:
+        try:
+            manifest = verify(target)
+            _say_if_failed(dirpath, target, manifest, say)
+            return target
+        except CheckpointError as err:
+            problem = f"{os.path.join(dirpath, LAST)} -> {target} is refused: {err}"
+    for path in entries(dirpath):
+        if target is not None and os.path.realpath(path) == os.path.realpath(target):
+            continue
+        try:
+            manifest = verify(path)
+        except CheckpointError as err:
+            say(f"skipping {path}: {err}")
+            continue
+        if problem:
+            say(f"{problem}. Resuming the newest checkpoint that verifies instead: {path} "
+                f"(iteration {manifest.get('global_step')}).")
+        elif target is None:
+            say(f"{os.path.join(dirpath, LAST)} is missing (a kill before the first link?); resuming the newest "
+                f"complete checkpoint {path} (iteration {manifest.get('global_step')}).")
+        _say_if_failed(dirpath, path, manifest, say)
+        return path
+    if problem:
+        raise CheckpointError(f"{problem}; no other checkpoint under {dirpath} verifies. Start a new run (drop "
+                              f"--ckpt_path) or restore the checkpoint from a copy")
+    return None
+
+
+def note_failure(dirpath: str, error: BaseException, step: int) -> None:
+    """Record that this run failed, so that a later ``--ckpt_path last`` says so before resuming its checkpoint."""
+    note = {"run": RUN_ID, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}",
+            "iteration": step, "time": time.time()}
+    os.makedirs(dirpath, exist_ok=True)
+    temp = os.path.join(dirpath, f"{TEMP_PREFIX}{new_token()}-{FAILED}")
+    with open(temp, "w") as f:
+        json.dump(note, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, os.path.join(dirpath, FAILED))
+    fsync_dir(dirpath)
+
+
+def _say_if_failed(dirpath: str, path: str, manifest: dict, say: Callable[[str], None]) -> None:
+    note_file = os.path.join(dirpath, FAILED)
+    if not os.path.isfile(note_file):
+        return
+    try:
+        with open(note_file) as f:
+            note = json.load(f)
+    except (OSError, ValueError):
+        return
+    if note.get("run") != manifest.get("run"):
+        return
+    healthy = None
+    for other in entries(dirpath):
+        with contextlib.suppress(CheckpointError):
+            if read_manifest(other).get("run") != note["run"]:
+                healthy = other
+                break
+    hint = (f" The newest checkpoint of an earlier run that did not fail is {healthy}: pass `--ckpt_path {healthy}` "
+            f"to resume that instead." if healthy else "")
+    say(f"resuming {path}, written by a run that then stopped with {note['error']} at iteration "
+        f"{note['iteration']}; it may fail the same way unless the config changed.{hint}")
+
+
+def clean_stale(dirpath: str) -> None:
+    """Remove what interrupted saves left under ``dirpath``: temporary folders and links (never read), and
+    folders set aside by an interrupted replace (put back when their name is free, else removed)."""
+    for folder in (dirpath, os.path.join(dirpath, HIDDEN)):
+        if not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.startswith(TEMP_PREFIX):
+                remove_entry(path)
+            elif name.startswith(OLD_PREFIX):
+                original = os.path.join(folder, name[len(OLD_PREFIX):].split("-", 2)[-1])
+                if os.path.lexists(original):
+                    remove_entry(path)
+                else:
+                    os.rename(path, original)
+        fsync_dir(folder)
+
+
+def prune_hidden(dirpath: str, keep: int = 2) -> None:
+    """Keep the ``keep`` newest hidden ``.last/`` checkpoints (the one ``last.ckpt`` points to and a fallback)."""
+    hidden = os.path.join(dirpath, HIDDEN)
+    if not os.path.isdir(hidden):
+        return
+    target = last_target(dirpath)
+    found = [path for path in entries(dirpath) if os.path.dirname(path) == hidden]
+    for path in found[keep:]:
+        if target is None or os.path.realpath(path) != os.path.realpath(target):
+            remove_entry(path)
+
+
+# ---------------------------------------------------------------------- Lightning plumbing
+META_OPTION = "posttrain_meta"  # ``storage_options`` key: extra manifest fields from the checkpoint callback
+
+
+class VerifiedCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint I/O for plain (non-sharded) strategies: checkpoint folders written atomically
+    with a manifest, verified and loaded weights-only. ``ExpertModule.setup`` installs it."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        meta = (storage_options or {}).get(META_OPTION) if isinstance(storage_options, dict) else None
+        write_checkpoint(checkpoint, str(path), meta=meta)
+
+    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None):
+        state = load(str(path))
+        if state.get("posttrain_sharded"):
+            from posttrain.lit.strategy import gather_sharded  # validate/predict of a ZeRO checkpoint
+
+            state = gather_sharded(str(path), state)
+        return state
+
+    def remove_checkpoint(self, path) -> None:
+        remove_entry(str(path))
+
+
+def install_checkpoint_io(strategy) -> None:
+    """Make ``strategy`` write and read verified checkpoint folders (idempotent)."""
+    if not isinstance(strategy.checkpoint_io, VerifiedCheckpointIO):
+        strategy.checkpoint_io = VerifiedCheckpointIO()
+
+
+def wandb_run_id(path: str) -> Optional[str]:
+    """The W&B run id a checkpoint was written under (from its manifest, nothing unpickled), or None.
+
+    ``path`` is a checkpoint folder or a checkpoint directory (then ``last`` is resolved), so the CLI can resume
+    the same W&B run before the logger starts."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+        path = resolve_last(path, say=lambda message: None) or ""
+    with contextlib.suppress(CheckpointError, OSError):
+        return read_manifest(path).get("wandb_run_id")
+    return None

@@ -1,0 +1,361 @@
+"""Checkpoints refuse corruption, never run code, keep one unambiguous ``last`` and an exact data position.
+
+(Kills at any instant: tests/test_kill_anywhere.py.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import warnings
+
+import pytest
+import torch
+import yaml
+
+from posttrain.callbacks.checkpoints import ModelCheckpoint
+from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit import checkpoints as ckpt
+from posttrain.lit.finetune import Finetune
+from tests.conftest import adamw, wan_card
+from tests.helpers import TwoExperts, quick_trainer
+from posttrain.modules.cards import Expert
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = dict(frames=5, height=16, width=16)
+
+
+def fit(folder, steps: int, ckpt_path=None, module=None, every: int = 2, save_top_k: int = -1, **kwargs):
+    """A tiny finetune with the package's ModelCheckpoint in ``folder``; returns (module, trainer, warnings)."""
+    module = module or Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, **SIZE)
+    callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=every, save_last=True, save_top_k=save_top_k)
+    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback], **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, SyntheticVideos(num_samples=6, batch_size=2, **SIZE), ckpt_path=ckpt_path)
+    return module, trainer, [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 6-iteration run: checkpoints at 2, 4, 6; ``last.ckpt`` -> the one of iteration 6."""
+    folder = tmp_path_factory.mktemp("run") / "checkpoints"
+    _, _, caught = fit(folder, 6)
+    return folder, caught
+
+
+def copy_run(run, tmp_path):
+    import shutil
+
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(run[0], folder, symlinks=True)
+    return folder
+
+
+def flip(file: str, offset_from_end: int = 4096 * 3, n: int = 4096) -> None:
+    """Flip ``n`` bytes inside the file's tensor data (size unchanged)."""
+    with open(file, "r+b") as f:
+        size = os.path.getsize(file)
+        f.seek(size - offset_from_end)
+        data = bytearray(f.read(n))
+        f.seek(size - offset_from_end)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+# ---------------------------------------------------------------------- layout, last, no warnings
+def test_checkpoints_are_verified_folders_and_last_is_one_link(run):
+    folder, caught = run
+    names = sorted(os.listdir(folder))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"], names
+    assert os.path.islink(folder / "last.ckpt") and os.readlink(folder / "last.ckpt") == "epoch=1-step=6.ckpt"
+    manifest = ckpt.verify(str(folder / "last.ckpt"))
+    assert set(manifest["files"]) == {"lightning.pt"} and manifest["global_step"] == 6
+    assert manifest["files"]["lightning.pt"]["size"] == os.path.getsize(folder / "last.ckpt" / "lightning.pt")
+    # under manual optimization Lightning's ModelCheckpoint prints a 14-line warning at every save
+    assert not [w for w in caught if "manual optimization" in w], caught
+
+
+def test_rerun_in_the_same_folder_keeps_one_last(run, tmp_path):
+    folder = copy_run(run, tmp_path)
+    fit(folder, 4)  # a fresh run over the old one: same names, replaced atomically
+    names = sorted(os.listdir(folder))
+    assert "last-v1.ckpt" not in names and not any("-v1" in n for n in names), names
+    assert os.readlink(folder / "last.ckpt") == "epoch=1-step=4.ckpt"
+    assert ckpt.verify(str(folder / "last.ckpt"))["global_step"] == 4
+
+
+def test_last_only_keeps_hidden_checkpoints(tmp_path):
+    folder = tmp_path / "ckpt"
+    fit(folder, 6, save_top_k=0)
+    assert sorted(os.listdir(folder)) == [".last", "last.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == os.path.join(".last", "epoch=1-step=6.ckpt")
+    assert sorted(os.listdir(folder / ".last")) == ["epoch=1-step=4.ckpt", "epoch=1-step=6.ckpt"]  # and a fallback
+
+
+def test_resume_prints_no_resumability_warning(run, tmp_path):
+    folder = copy_run(run, tmp_path)
+    _, trainer, caught = fit(folder, 8, ckpt_path="last")
+    assert trainer.global_step == 8
+    assert not [w for w in caught if "not resumable" in w or "manual optimization" in w], caught
+
+
+# ---------------------------------------------------------------------- corruption
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped", "manifest missing", "extra file"])
+def test_damaged_checkpoint_is_refused_naming_the_file(run, tmp_path, damage):
+    folder = copy_run(run, tmp_path)
+    target = folder / "epoch=1-step=6.ckpt"
+    state = target / "lightning.pt"
+    if damage == "truncated":
+        with open(state, "r+b") as f:
+            f.truncate(os.path.getsize(state) // 2)
+        expected = r"lightning.pt: \d+ bytes, the manifest says \d+ \(truncated"
+    elif damage == "bit-flipped":
+        flip(str(state))
+        expected = r"lightning.pt: content differs from the manifest \(sha256 mismatch"
+    elif damage == "manifest missing":
+        os.remove(target / "manifest.json")
+        expected = r"epoch=1-step=6.ckpt: no manifest.json: an incomplete checkpoint"
+    else:
+        (target / "notes.pt").write_bytes(b"x")
+        expected = r"notes.pt: not in the checkpoint's manifest"
+    with pytest.raises(ckpt.CheckpointError, match=expected):
+        ckpt.load(str(target))
+    # an explicit path stops before anything loads
+    module = Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, **SIZE)
+    with pytest.raises(ckpt.CheckpointError, match=expected):
+        fit(tmp_path / "other", 8, ckpt_path=str(target), module=module)
+    # `last` falls back to the newest checkpoint that verifies, and says so
+    module, trainer, caught = fit(folder, 8, ckpt_path="last")
+    said = [w for w in caught if "Resuming the newest checkpoint that verifies instead" in w]
+    assert said and "epoch=1-step=4.ckpt" in said[0] and "epoch=1-step=6.ckpt" in said[0], caught
+    assert trainer.global_step == 8 and module.card.versions["transformer"] == 8
+
+
+def test_corrupt_last_with_nothing_to_fall_back_to_stops(tmp_path):
+    folder = tmp_path / "ckpt"
+    fit(folder, 2, every=2)
+    flip(str(folder / "last.ckpt" / "lightning.pt"))
+    with pytest.raises(ckpt.CheckpointError, match=r"no other checkpoint under .* verifies"):
+        fit(folder, 4, ckpt_path="last")
+
+
+def test_stale_temporary_checkpoint_is_never_resumed_and_is_cleaned(run, tmp_path):
+    folder = copy_run(run, tmp_path)
+    stale = folder / ".tmp-123-abcd-epoch=9-step=99.ckpt"  # a save that was killed half way
+    stale.mkdir()
+    (stale / "lightning.pt").write_bytes(b"torn")
+    assert ckpt.resolve_last(str(folder), say=print).endswith("epoch=1-step=6.ckpt")
+    fit(folder, 8, ckpt_path="last")
+    assert not stale.exists()
+
+
+def test_missing_last_link_resumes_the_newest_complete_checkpoint(run, tmp_path):
+    folder = copy_run(run, tmp_path)
+    os.remove(folder / "last.ckpt")  # killed between the commit of the first checkpoint and its link
+    said = []
+    assert ckpt.resolve_last(str(folder), say=said.append).endswith("epoch=1-step=6.ckpt")
+    assert "is missing" in said[0]
+
+
+def test_failed_run_is_named_when_last_resumes_it(tmp_path, monkeypatch):
+    """A healthy run, then a fresh run in the same folder that stops on NaN losses: `last` now points at the
+    failed run's checkpoint, and resuming it says so and names the healthy run's checkpoint."""
+    card = lambda: wan_card(extra={"critic": Expert(arch="wan_t2v", trainable=True, optimizer=adamw())})  # noqa: E731
+    folder = tmp_path / "ckpt"
+    monkeypatch.setattr(ckpt, "RUN_ID", "healthy")
+    fit(folder, 6, module=TwoExperts(card()))
+    monkeypatch.setattr(ckpt, "RUN_ID", "failing")
+    from posttrain.lit.base import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError):
+        fit(folder, 20, module=TwoExperts(card(), nan_at=4, max_nan_steps=3), every=1)
+    assert json.loads((folder / ckpt.FAILED).read_text())["error"].startswith("NonFiniteLossError")
+    monkeypatch.setattr(ckpt, "RUN_ID", "resuming")
+    said = []
+    path = ckpt.resolve_last(str(folder), say=said.append)
+    assert ckpt.read_manifest(path)["run"] == "failing"
+    assert said and "stopped with NonFiniteLossError" in said[0] and "epoch=1-step=6.ckpt" in said[0], said
+
+
+# ---------------------------------------------------------------------- nothing foreign runs
+class Payload:
+    """Unpickling this runs code (a harmless one: it creates a file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def payload_checkpoint(path, marker: str, folder: bool, sharded: bool = False) -> str:
+    """A checkpoint whose pickle would run code; as a folder it carries a valid manifest (an attacker writes
+    one too), so only the refusal to unpickle stands between the file and the code."""
+    state = {"posttrain": Payload(marker), "state_dict": {}, "global_step": 1, "epoch": 0}
+    if not folder:
+        with open(path, "wb") as f:
+            pickle.dump(state, f)  # a plain pickle: torch.load reads those too
+        torch.save(state, path)
+        return str(path)
+    temp = ckpt.temp_path(str(path), "payload")
+    os.makedirs(os.path.join(temp, "transformer", "zero"))
+    if sharded:  # the Lightning state is clean; DeepSpeed's own shard file carries the payload
+        state = {"posttrain": {}, "state_dict": {}, "global_step": 1, "posttrain_sharded": {"transformer": {}}}
+        torch.save({"module": Payload(marker)}, os.path.join(temp, "transformer", "zero", "mp_rank_00_model_states.pt"))
+        with open(os.path.join(temp, "transformer", "latest"), "w") as f:
+            f.write("zero")
+    torch.save(state, os.path.join(temp, "lightning.pt"))
+    ckpt.commit(temp, str(path), {})
+    return str(path)
+
+
+def cli_config(tmp_path) -> str:
+    with open(os.path.join(ROOT, "configs", "finetune.yaml")) as f:
+        config = yaml.safe_load(f)
+    config["trainer"].update(max_steps=2, logger=False, enable_progress_bar=False, limit_val_batches=1,
+                             default_root_dir=str(tmp_path / "run"), val_check_interval=None)
+    config["trainer"]["callbacks"] = [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
+                                       "init_args": {"dirpath": str(tmp_path / "run" / "ckpt")}}]
+    config["model"]["init_args"].update(SIZE)
+    config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2, **SIZE)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "zero-folder"])
+@pytest.mark.parametrize("command", ["export", "fit", "validate", "predict"])
+def test_payload_checkpoint_never_runs_code(tmp_path, command, kind):
+    from posttrain.lit.cli import main
+
+    marker = str(tmp_path / "pwned")
+    path = payload_checkpoint(tmp_path / "evil.ckpt", marker, folder=kind != "file", sharded=kind == "zero-folder")
+    if command == "export":
+        args = ["export", "--ckpt", path, "--out", str(tmp_path / "out")]
+    else:
+        args = [command, "--config", cli_config(tmp_path), "--ckpt_path", path]
+    with pytest.raises(Exception) as err:
+        main(args)
+    assert not os.path.exists(marker), f"{command} ran code from a {kind} checkpoint"
+    assert "refused to unpickle" in str(err.value) or "Weights only load failed" in str(err.value), err.value
+
+
+def test_deepspeed_shard_loader_runs_under_the_allow_list(tmp_path):
+    """DeepSpeed's own loader (weights_only=False inside) refuses a payload under restricted_unpickling and
+    still reads its real optimizer shard types."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    marker = tmp_path / "pwned"
+    torch.save({"x": Payload(str(marker))}, tmp_path / "evil.pt")
+    torch.save({"scaler": LossScaler(1.0), "stage": ZeroStageEnum.gradients}, tmp_path / "good.pt")
+    engine = TorchCheckpointEngine()
+    with ckpt.restricted_unpickling():
+        with pytest.raises(pickle.UnpicklingError):
+            engine.load(str(tmp_path / "evil.pt"))
+        good = engine.load(str(tmp_path / "good.pt"))
+    assert not marker.exists()
+    assert good["scaler"].cur_scale == 1.0 and good["stage"] == ZeroStageEnum.gradients
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored afterwards
+
+
+def test_export_refuses_a_non_empty_folder(run, tmp_path):
+    from posttrain.lit.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    last = str(run[0] / "last.ckpt")
+    with pytest.raises(FileExistsError, match=r"is a folder that is not empty; .*--overwrite"):
+        main(["export", "--ckpt", last, "--out", str(out)])
+    assert (out / "keep.txt").read_text() == "mine" and os.listdir(out) == ["keep.txt"]
+    main(["export", "--ckpt", last, "--out", str(out), "--overwrite", "true"])
+    assert (out / "config.json").exists()
+
+
+# ---------------------------------------------------------------------- data position
+def batches(loader, n=None):
+    out = []
+    for batch in loader:
+        out.append(batch.tolist())
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("stop", [1, 2, 3])
+def test_loader_resumes_at_any_batch_and_never_draws_global_rng(stop):
+    """3 batches an epoch: stopping after 1, 2 or 3 (the epoch's last) continues exactly where the
+    uninterrupted order goes, and iterating leaves the global torch RNG untouched."""
+    data = list(range(6))
+
+    def loader():
+        return ResumableLoader(data, batch_size=2, sampler=ResumableSampler(data, seed=3), seed=3)
+
+    straight = loader()
+    rng = torch.get_rng_state()
+    order = []
+    for epoch in range(2):
+        straight.sampler.set_epoch(epoch)
+        order += batches(straight)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    first = loader()
+    first.sampler.set_epoch(0)
+    seen = batches(first, stop)
+    state = first.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    epoch = resumed.sampler.epoch
+    seen += batches(resumed)
+    if epoch == 0:
+        resumed.sampler.set_epoch(1)
+        seen += batches(resumed)
+    assert seen == order, (stop, state)
+    assert epoch == (1 if stop == 3 else 0)
+
+
+def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
+    """A real `posttrain fit` (W&B offline, checkpoints, samples) with fake secrets in its environment: none of
+    them appears in any file it wrote, nor in its output."""
+    import subprocess
+    import sys
+
+    secrets = {"WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789abcd", "HF_TOKEN": "hf_fakeTOKENxyz123",
+               "HUGGING_FACE_HUB_TOKEN": "hf_fakeHUBtoken456", "AWS_SECRET_ACCESS_KEY": "fakeAWSsecret789/xyz",
+               "OPENAI_API_KEY": "sk-fakeOPENAIkey000"}
+    with open(os.path.join(ROOT, "configs", "finetune.yaml")) as f:
+        config = yaml.safe_load(f)
+    run = tmp_path / "run"
+    config["trainer"].update(max_steps=2, enable_progress_bar=False, limit_val_batches=1, val_check_interval=2,
+                             default_root_dir=str(run))
+    config["trainer"]["logger"]["init_args"].update(save_dir=str(run))
+    config["trainer"]["callbacks"][0]["init_args"].update(dirpath=str(run / "ckpt"), every_n_train_steps=2)
+    config["trainer"]["callbacks"][1]["init_args"].update(every_n_iterations=2)
+    config["model"]["init_args"].update(SIZE)
+    config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2, **SIZE)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline", **secrets}
+    done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(tmp_path / "config.yaml")],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = [os.path.join(d, n) for d, _, names in os.walk(tmp_path) for n in names]
+    assert any("wandb" in f for f in files) and any(f.endswith("lightning.pt") for f in files)
+    assert any(f.endswith(".gif") for f in files)
+    for name, value in secrets.items():
+        assert value not in done.stdout + done.stderr, f"{name} printed"
+        for file in files:
+            with open(file, "rb") as f:
+                assert value.encode() not in f.read(), f"{name} written to {file}"
+
+
+def test_the_payload_is_live(tmp_path):
+    """The payload checkpoints above do run code when unpickled without the allow-list."""
+    for kind in ("file", "folder"):
+        marker = tmp_path / f"pwned-{kind}"
+        path = payload_checkpoint(tmp_path / f"evil-{kind}.ckpt", str(marker), folder=kind == "folder")
+        torch.load(path if kind == "file" else os.path.join(path, "lightning.pt"), weights_only=False)
+        assert marker.exists()
