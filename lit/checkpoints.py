@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import time
 import uuid
@@ -49,9 +50,10 @@ FAILED = "last.ckpt.failed.json"  # written when a fit run ends with an error
 TEMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
 HASH = "sha256"
 CHUNK = 8 << 20
-# folders a user adds to a checkpoint after it was written, by a documented command (not in the manifest):
-# ``python -m deepspeed.checkpoint.ds_to_universal --output_folder <ckpt>/<expert>/zero_universal``
-ADDED_LATER = ("zero_universal",)
+# what a user adds to a checkpoint after it was written, by a documented command (so not in the manifest):
+# ``python -m deepspeed.checkpoint.ds_to_universal --output_folder <ckpt>/<expert>/zero_universal`` writes that
+# folder and ``<expert>/latest_universal``
+ADDED_LATER_FOLDERS, ADDED_LATER_FILES = ("zero_universal",), ("latest_universal",)
 RUN_ID = uuid.uuid4().hex[:12]  # this process's fit attempt; every manifest it writes carries it
 
 
@@ -81,14 +83,20 @@ def allowed_globals() -> list:
 
 
 @contextlib.contextmanager
-def restricted_unpickling() -> Iterator[None]:
+def restricted_unpickling(where: str = "") -> Iterator[None]:
     """Every ``torch.load`` inside runs with ``weights_only=True`` and the allow-list, also the ones DeepSpeed
-    makes with ``weights_only=False`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the argument)."""
+    makes with ``weights_only=False`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the argument). A refused
+    file becomes a ``CheckpointError`` naming ``where``."""
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             yield
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise CheckpointError(f"{where or 'checkpoint'}: refused to unpickle a file there: it holds objects outside "
+                              f"the allow-list of checkpoint types ({reason}). posttrain never runs code from a "
+                              f"checkpoint; load only checkpoints written by `posttrain fit`") from None
     finally:
         if previous is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
@@ -99,15 +107,12 @@ def restricted_unpickling() -> Iterator[None]:
 def load_state(file: str) -> dict[str, Any]:
     """``torch.load`` of one state file, weights only, with the allow-list."""
     try:
-        with restricted_unpickling():
+        with restricted_unpickling(file):
             return torch.load(file, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "Unsupported global" in str(err) or "weights_only" in str(err):
-            raise CheckpointError(
-                f"{file}: refused to unpickle it: it holds objects outside the allow-list of checkpoint types "
-                f"({reason}). posttrain never runs code from a checkpoint; load only checkpoints written by "
-                f"`posttrain fit`") from None
         raise CheckpointError(f"{file}: not a readable checkpoint ({type(err).__name__}: {reason})") from None
 
 
@@ -274,8 +279,7 @@ def verify(path: str) -> dict[str, Any]:
     algorithm = manifest.get("hash", HASH)
     if algorithm not in hashlib.algorithms_available:
         raise CheckpointError(f"{path}/{MANIFEST}: unknown hash {algorithm!r}")
-    extra = [rel for rel in files_under(folder) if rel != MANIFEST and rel not in files
-             and not any(part in ADDED_LATER for part in rel.split("/")[:-1])]
+    extra = [rel for rel in files_under(folder) if rel != MANIFEST and rel not in files and not _added_later(rel)]
     if extra:
         raise CheckpointError(f"{os.path.join(path, extra[0])}: not in the checkpoint's manifest ({len(extra)} such "
                               f"file(s)); it was added after the checkpoint was written. Remove it, or resume "
@@ -306,6 +310,11 @@ def verify(path: str) -> dict[str, Any]:
                                   f"damaged")
     _verified[folder] = fingerprint
     return manifest
+
+
+def _added_later(rel: str) -> bool:
+    *folders, name = rel.split("/")
+    return name in ADDED_LATER_FILES or any(part in ADDED_LATER_FOLDERS for part in folders)
 
 
 def load(path: str) -> dict[str, Any]:

@@ -252,7 +252,7 @@ class ShardedExpertsStrategy(DDPStrategy):
             return load_full_checkpoint(path)
         checkpoint = ckpt.load(path)  # every file verified against the manifest (shards too), then weights only
         self.check_resumable(checkpoint, path)
-        with ckpt.restricted_unpickling():  # DeepSpeed's own torch.load calls: weights only, allow-listed types
+        with ckpt.restricted_unpickling(path):  # DeepSpeed's own torch.load calls: weights only, allow-listed types
             for name, engine in self.trained_engines.items():
                 load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
                                                       load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -396,7 +396,7 @@ def gather_sharded(folder: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
     for name in checkpoint.get("posttrain_sharded", {}):
         expert_dir = os.path.join(folder, name)
         tag = TAG if os.path.isdir(os.path.join(expert_dir, TAG)) else None
-        with ckpt.restricted_unpickling():
+        with ckpt.restricted_unpickling(expert_dir):
             state = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
         for key, value in state.items():
             checkpoint["state_dict"][f"card.models.{name}.{key}"] = value
