@@ -53,6 +53,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         return {path} if path else set()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._resuming = trainer.ckpt_path is not None
         super().setup(trainer, pl_module, stage)
         if not _is_local_file_protocol(str(self.dirpath)):
             raise ValueError(f"ModelCheckpoint dirpath {self.dirpath!r}: atomic checkpoints need a local or shared "
@@ -69,6 +70,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
             # but would enter the next one as if mid-epoch, skipping its start (counters, on_train_epoch_start
             # hooks); the uninterrupted run starts it normally, so let the loop do that.
             fit_loop.reset_restart_stage()
+
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:
+        """Lightning's (private) "Checkpoint directory exists and is not empty" warning, except when resuming
+        from that folder, where it is expected."""
+        if not getattr(self, "_resuming", False):
+            super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)
 
     # ------------------------------------------------------------------ when to save
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -379,6 +379,10 @@ def resolve_last(dirpath: str, say: Callable[[str], None]) -> Optional[str]:
     checkpoint under ``dirpath`` that does (``say`` tells why). None when there is none."""
     target = last_target(dirpath)
     problem = None
+    if target is not None and os.path.isfile(target):
+        say(f"{target} is a single-file checkpoint without a manifest (written by Lightning itself or an older "
+            f"posttrain): resuming it unverified, weights only")
+        return target
     if target is not None:
         try:
             manifest = verify(target)

@@ -14,9 +14,11 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 - routes ``ExpertModule.backward_experts`` / ``_step_one`` through the engines (``expert_backward``,
   ``expert_step``); engine steps never touch ``trainer.global_step`` (iterations are counted by
   ``callbacks.IterationCounter``);
-- saves a directory checkpoint ``<name>.ckpt/``: ``lightning.pt`` (the Lightning state of everything
-  else: plain experts, their optimizers, loops, RNG, versions, data position) plus one
-  ``engine.save_checkpoint`` folder per sharded expert, and resumes all of it with ``--ckpt_path``.
+- saves a checkpoint folder ``<name>.ckpt/`` by the protocol of ``lit/checkpoints.py`` (temporary folder,
+  every file hashed and fsynced, manifest, one rename): ``lightning.pt`` (the Lightning state of everything
+  else: plain experts, their optimizers, loops, RNG, versions, data position), ``sharded.json`` and one
+  ``engine.save_checkpoint`` folder per sharded expert, and resumes all of it with ``--ckpt_path`` after
+  verifying every file, with DeepSpeed's own shard reads restricted to an allow-list of types.
 
 ``load_full_checkpoint(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict with
 full fp32 weights (``zero_to_fp32``); ``posttrain export``, ``predict`` and ``validate`` use it.
