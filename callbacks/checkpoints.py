@@ -12,7 +12,9 @@ Lightning's ``ModelCheckpoint`` with these changes (same arguments; configs name
   message that names the newest checkpoint of an earlier, healthy run;
 - under manual optimization (every posttrain method) the checkpoint is taken after the iteration — all experts
   stepped, versions bumped, the data position advanced — which is the state a resume must continue from.
-  Lightning's own manual-optimization path warns and saves the same thing.
+  Lightning's own manual-optimization path warns and saves the same thing;
+- when a validation follows that iteration, the checkpoint is taken at the validation's end, so a resume neither
+  skips that validation's metrics nor miscounts Lightning's loops.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
         self._cleaned = False
         self._pending_removals: list[str] = []
+        self._save_after_validation = False
 
     # ------------------------------------------------------------------ resolve `last`
     def _checkpoint_dir(self, trainer) -> str:
@@ -97,8 +100,22 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.monitor is not None and self.monitor not in candidates:
             self._defer_save_until_validation = True  # saved in on_validation_end, once the metric exists
             return
+        if validation_follows(trainer):
+            # A validation runs right after this batch. Saved now, the checkpoint would precede it, and a resume
+            # would skip it (Lightning fast-forwards over it): its metrics would be lost. Saved at its end, the
+            # checkpoint holds it; training state is the same (only training draws from the global RNGs).
+            self._save_after_validation = True
+            return
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._save_after_validation and not trainer.sanity_checking:
+            self._save_after_validation = False
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_validation_end(trainer, pl_module)
 
     # ------------------------------------------------------------------ how to save
     def _save_checkpoint(self, trainer, filepath: str) -> None:
@@ -149,6 +166,17 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not isinstance(exception,
                                                                                                KeyboardInterrupt):
             ckpt.note_failure(self._checkpoint_dir(trainer), exception, trainer.global_step)
+
+
+def validation_follows(trainer) -> bool:
+    """Whether the fit loop runs a validation right after the current training batch (Lightning's own test)."""
+    loop = trainer.fit_loop.epoch_loop
+    try:
+        due = loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    except Exception:  # another Lightning version: save before the validation, as Lightning does
+        return False
+    batches = trainer.num_val_batches
+    return bool(due) and sum(batches if isinstance(batches, list) else [batches]) > 0
 
 
 def wandb_run_id_of(trainer) -> Any:

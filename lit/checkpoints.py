@@ -414,8 +414,8 @@ def resolve_last(dirpath: str, say: Callable[[str], None]) -> Optional[str]:
 
 def note_failure(dirpath: str, error: BaseException, step: int) -> None:
     """Record that this run failed, so that a later ``--ckpt_path last`` says so before resuming its checkpoint."""
-    note = {"run": RUN_ID, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}",
-            "iteration": step, "time": time.time()}
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    note = {"run": RUN_ID, "error": f"{type(error).__name__}: {first_line}", "iteration": step, "time": time.time()}
     os.makedirs(dirpath, exist_ok=True)
     temp = os.path.join(dirpath, f"{TEMP_PREFIX}{new_token()}-{FAILED}")
     with open(temp, "w") as f:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import warnings
 
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Callback
 
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
@@ -27,11 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = dict(frames=5, height=16, width=16)
 
 
-def fit(folder, steps: int, ckpt_path=None, module=None, every: int = 2, save_top_k: int = -1, **kwargs):
+def fit(folder, steps: int, ckpt_path=None, module=None, every: int = 2, save_top_k: int = -1, callbacks=(),
+        **kwargs):
     """A tiny finetune with the package's ModelCheckpoint in ``folder``; returns (module, trainer, warnings)."""
     module = module or Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, **SIZE)
     callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=every, save_last=True, save_top_k=save_top_k)
-    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback], **kwargs)
+    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback, *callbacks], **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, SyntheticVideos(num_samples=6, batch_size=2, **SIZE), ckpt_path=ckpt_path)
@@ -100,6 +101,37 @@ def test_resume_prints_no_resumability_warning(run, tmp_path):
     assert trainer.global_step == 8
     noise = ("not resumable", "manual optimization", "exists and is not empty")
     assert not [w for w in caught if any(n in w for n in noise)], caught
+
+
+class Validations(Callback):
+    """Records the iteration of every validation (and can crash in the one of ``crash_at``)."""
+
+    def __init__(self, crash_at=None):
+        self.seen, self.crash_at = [], crash_at
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.sanity_checking:
+            return
+        if trainer.global_step == self.crash_at:
+            raise RuntimeError("crash during validation")
+        self.seen.append(trainer.global_step)
+
+
+def test_validation_after_a_checkpoint_iteration_is_never_skipped(tmp_path):
+    """A checkpoint due on an iteration that a validation follows is taken after that validation: a crash during
+    the validation resumes from the previous checkpoint and validates again, instead of skipping it."""
+    validate = dict(limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
+    straight = Validations()
+    fit(tmp_path / "straight", 4, callbacks=[straight], **validate)
+    assert straight.seen == [2, 4]
+    assert ckpt.verify(str(tmp_path / "straight" / "last.ckpt"))["global_step"] == 4
+
+    with pytest.raises(RuntimeError, match="crash during validation"):
+        fit(tmp_path / "crashed", 4, callbacks=[Validations(crash_at=4)], **validate)
+    assert ckpt.verify(str(tmp_path / "crashed" / "last.ckpt"))["global_step"] == 2
+    resumed = Validations()
+    fit(tmp_path / "crashed", 4, ckpt_path="last", callbacks=[resumed], **validate)
+    assert resumed.seen == [4]
 
 
 # ---------------------------------------------------------------------- corruption

@@ -134,7 +134,7 @@ def test_kill_anywhere_resumes_bitwise(name, tmp_path, request):
         done = hk.run(write_config(root, "killed", config, steps, every, shrink, moment), *args)
         log.append(f"{moment}: rc {done.returncode}")
         assert done.returncode != 0, f"{moment} never happened ({log}):\n{done.stderr[-3000:]}"
-        assert "Traceback" not in done.stderr, f"attempt {moment} failed instead of being killed:\n{done.stderr[-4000:]}"
+        assert "Traceback" not in done.stderr, f"{moment}: failed instead of being killed:\n{done.stderr[-4000:]}"
     final = hk.run(write_config(root, "killed", config, steps, every, shrink, None), "--ckpt_path", "last")
     assert final.returncode == 0, f"{log}\n{final.stderr[-4000:]}"
 
