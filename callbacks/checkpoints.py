@@ -26,6 +26,7 @@ from weakref import proxy
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from posttrain.lit import checkpoints as ckpt
@@ -163,8 +164,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
     # ------------------------------------------------------------------ failed runs
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
-        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not isinstance(exception,
-                                                                                               KeyboardInterrupt):
+        interrupted = isinstance(exception, (KeyboardInterrupt, SIGTERMException))  # stopped, not failed
+        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not interrupted:
             ckpt.note_failure(self._checkpoint_dir(trainer), exception, trainer.global_step)
 
 
