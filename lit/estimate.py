@@ -36,8 +36,10 @@ import contextlib
 import copy
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
+from unittest import mock
 
 import torch
 from torch import nn
@@ -216,8 +218,9 @@ def _parse(config: str):
     if not os.path.isfile(config):
         raise FileNotFoundError(f"estimate: no config file {config!r}")
     _check_experts(config)
-    try:
-        return ParseOnly(args=["--config", config], run=False, parser_kwargs={"exit_on_error": False}).config
+    try:  # LightningCLI warns when a caller's own command line is there too: hide it for the parse
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
+            return ParseOnly(args=["--config", config], run=False, parser_kwargs={"exit_on_error": False}).config
     except Exception as err:  # jsonargparse's ArgumentError names the key and the value
         raise ValueError(f"estimate: {config!r} is not a valid fit config: {err}") from err
 
