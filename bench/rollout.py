@@ -98,7 +98,7 @@ def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, ste
         per_step = (total - forward) / (blocks * steps)
         print(f"  batched rollout, per step (process time): forward of {K} rows {forward / (blocks * steps) * 1e3:.2f} ms, "
               f"everything else {per_step * 1e3:.2f} ms ({(total - forward) / total:.0%} of the rollout)")
-        print("  " + f.verdict("wall") + "  <- the ceiling of the rollout speed-up")
+        print("  " + f.verdict("cpu") + "  <- the ceiling of the rollout speed-up")
 
 
 class CacheCounts(Callback):
