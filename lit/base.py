@@ -60,6 +60,7 @@ class ExpertModule(LightningModule):
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
         self._micro: dict[str, int] = {}
         self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
+        self._deferred_logs: dict[str, tuple] = {}  # name -> (hook, value, kwargs) of a deferred self.log
         self.generator = torch.Generator().manual_seed(seed)
 
     @staticmethod
@@ -117,18 +118,38 @@ class ExpertModule(LightningModule):
 
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: Optional[bool] = None,
             on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, **kwargs: Any) -> None:
-        """``LightningModule.log``, skipped for a per-iteration training metric in an iteration whose metrics
+        """``LightningModule.log``, deferred for a per-iteration training metric in an iteration whose metrics
         reach no logger.
 
-        Lightning forwards on-step metrics to the loggers every ``trainer.log_every_n_steps`` iterations and
-        overwrites the others unseen, but each ``log`` call still costs its bookkeeping (about half a
-        millisecond on a CPU: eight calls were 15% of a tiny finetune iteration, bench/overhead.py). Loggers
-        get the same values as before; ``trainer.callback_metrics`` and the progress bar refresh at the
-        logging cadence and hold the last iteration's values at the end. Epoch-aggregated metrics
-        (``on_epoch=True``) and every other hook log as usual.
+        Lightning hands the loggers, every ``trainer.log_every_n_steps`` iterations, the latest value of each
+        on-step metric, but each ``log`` call costs its bookkeeping (about 0.3 ms on a CPU: eight calls were
+        15% of a tiny finetune iteration, bench/overhead.py). Here such a call only keeps the latest value;
+        the next iteration whose metrics reach the loggers (or the run's last) logs what was kept, so loggers
+        get the same values as before. ``trainer.callback_metrics`` and the progress bar refresh at the
+        logging cadence. Epoch-aggregated metrics (``on_epoch=True``) and every other hook log at once.
         """
-        if on_epoch or self._current_fx_name not in self._STEP_HOOKS or self.log_due:
-            super().log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch, **kwargs)
+        kwargs.update(prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch)
+        fx = self._current_fx_name
+        if on_epoch or fx not in self._STEP_HOOKS or self.log_due:
+            self._deferred_logs.pop(name, None)
+            super().log(name, value, **kwargs)
+        else:
+            self._deferred_logs[name] = (fx, value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # after every callback's on_train_batch_end, before Lightning hands metrics to the loggers; also at an
+        # epoch's last batch, where Lightning's callback_metrics took the latest values before its epoch reset
+        if self._deferred_logs and (self.log_due or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+                                    or batch_idx + 1 >= self.trainer.num_training_batches):
+            deferred, self._deferred_logs = self._deferred_logs, {}
+            current = self._current_fx_name
+            for name, (fx, value, kwargs) in deferred.items():
+                self._current_fx_name = fx  # Lightning keys a result by the hook that logged it
+                super().log(name, value, **kwargs)
+            self._current_fx_name = current
+
+    def on_train_epoch_start(self) -> None:
+        self._deferred_logs.clear()  # none outlives its epoch (Lightning resets its results there)
 
     @property
     def log_due(self) -> bool:

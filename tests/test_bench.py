@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loggers import Logger
 
 from posttrain.callbacks.versions import SyncPlan, constant
@@ -120,6 +120,15 @@ class Recorder(Logger):
         self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
 
 
+class Sporadic(Callback):
+    """Logs ``train/sporadic`` in iterations 2 and 7 only, neither of them one whose metrics reach a logger
+    (as C2Check logs every n-th iteration): Lightning hands the loggers its latest value at the next one."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx in (2, 7):
+            pl_module.log("train/sporadic", float(batch_idx), on_step=True)
+
+
 def finetune_logged(monkeypatch, gate: bool, iterations: int = 12, every: int = 5):
     """(what the logger got, Lightning log calls, final callback metrics) of a short finetune with EMA."""
     calls = []
@@ -135,24 +144,25 @@ def finetune_logged(monkeypatch, gate: bool, iterations: int = 12, every: int = 
     torch.manual_seed(0)
     module = Finetune(wan_card(), ema_decay=0.9, seed=0)
     recorder = Recorder()
-    trainer = quick_trainer(max_steps=iterations, logger=recorder, log_every_n_steps=every)
+    trainer = quick_trainer(max_steps=iterations, logger=recorder, log_every_n_steps=every, callbacks=[Sporadic()])
     trainer.fit(module, SyntheticVideos(num_samples=32, batch_size=2))
     monkeypatch.undo()
     return recorder.rows, calls, {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
 def test_skipped_logs_change_nothing_a_logger_gets(monkeypatch, one_thread):
-    """12 iterations, log_every_n_steps=5: the logger gets the same steps and values either way; the
-    metrics are logged in iterations 5, 10 and 12 (the last) only, a quarter of the calls."""
+    """12 iterations, log_every_n_steps=5: the logger gets the same steps and values either way, a metric
+    logged in other iterations too; Lightning's log runs in iterations 5, 10 and 12 (the last) only."""
     rows, calls, final = finetune_logged(monkeypatch, gate=True)
     rows_all, calls_all, final_all = finetune_logged(monkeypatch, gate=False)
     assert [step for step, _ in rows_all] == [4, 9]  # Lightning's steps are 0-based
     assert rows == rows_all
     assert "train/loss" in rows[0][1] and "train/version/transformer_ema" in rows[0][1]
+    assert rows[0][1]["train/sporadic"] == 2.0 and rows[1][1]["train/sporadic"] == 7.0
     assert final == final_all and final["train/version/transformer"] == 12.0
-    per_iteration = len(calls_all) / 12
+    per_iteration = (len(calls_all) - 2) / 12
     assert per_iteration == 8  # loss, cache hit rate, grad norm, lr, 4 versions
-    assert len(calls) == 3 * per_iteration, calls
+    assert len(calls) == 3 * per_iteration + 2, calls  # + the two sporadic values, each logged once
 
 
 def test_logs_outside_training_steps_are_never_skipped(monkeypatch, one_thread):
@@ -223,3 +233,18 @@ def test_gpu_bench_tiny_runs_every_part(tmp_path):
     assert figures["plain"]["params"] == pytest.approx(0.2e6, rel=0.5)  # the tiny shape, not 1.3B
     assert figures["zero3"]["estimate_model_state_bytes"] > 0
     assert set(figures["rl"]["seconds"]) == {"rollout", "decode", "update"}
+
+
+def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_epoch_end(one_thread):
+    """Iteration 2 of a 4-batch epoch logs, log_every_n_steps=50: Lightning kept that value in
+    callback_metrics through the epoch's end, so the deferred value is logged at the epoch's last batch."""
+
+    class Once(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.current_epoch == 0 and batch_idx == 2:
+                pl_module.log("train/once", 2.0, on_step=True)
+
+    module = Finetune(wan_card(), ema_decay=None)
+    trainer = quick_trainer(max_steps=6, log_every_n_steps=50, callbacks=[Once()])
+    trainer.fit(module, SyntheticVideos(num_samples=8, batch_size=2))  # 4 batches per epoch
+    assert trainer.callback_metrics["train/once"] == 2.0
