@@ -33,7 +33,7 @@ communication buffers beyond the ZeRO buckets, and pinned host buffers.
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import math
 import os
 import sys
@@ -175,6 +175,11 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
         raise ValueError(f"estimate: cannot build the card of {config!r} on the meta device:\n  - "
                          + "\n  - ".join(problems))
     method.setup_roles()
+    cast, autocast = lightning_precision(getattr(cfg.trainer, "precision", None))
+    if cast is not None:  # "bf16-true" and kin: Lightning casts the whole module; DeepSpeed keeps its own
+        for name, model in card.models.items():
+            if not card.specs[card.roles.get(name, (name,))[0]].sharded:
+                card.models[name] = model.to(cast)
 
     # 2. per component: weights, gradients, optimizer state
     rows, rows_note = activation_rows(method, data_batch)
@@ -198,10 +203,27 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             spec = card.specs.get(c.name)
             if spec is None or not spec.trainable:
                 continue
-            c.activation_bytes, note = activation_bytes(spec, card, method, rows)
+            c.activation_bytes, note = activation_bytes(spec, card, method, rows, cast, autocast)
             if note:
                 c.notes.append(note)
+    if autocast is not None:
+        rows_note += f", {autocast} autocast"
     return MemoryEstimate(config, devices, num_nodes, components, rows_note)
+
+
+def lightning_precision(precision: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    """(dtype Lightning casts the module to, autocast dtype) of ``trainer.precision``; DeepSpeed experts
+    follow their own ``zero.precision`` instead."""
+    p = str(precision or "32-true")
+    if p in ("bf16-true",):
+        return torch.bfloat16, None
+    if p in ("16-true", "half"):
+        return torch.float16, None
+    if p in ("bf16-mixed", "bf16"):
+        return None, torch.bfloat16
+    if p in ("16-mixed", "16"):
+        return None, torch.float16
+    return None, None
 
 
 # ---------------------------------------------------------------------- the config
@@ -465,7 +487,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def activation_bytes(spec: Expert, card: ModelCard, method, rows: int) -> tuple[Optional[int], str]:
+def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
+                     autocast: Optional[torch.dtype] = None) -> tuple[Optional[int], str]:
     """Bytes saved for backward by one training forward of ``spec``'s model at ``rows`` rows, extrapolated
     from fake-tensor traces with 1 and 2 layers; ``(None, why)`` where no input recipe exists."""
     keys = LAYER_KEYS.get(spec.arch)
@@ -474,14 +497,14 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int) -> tuple[
     config = meta_model(spec).config
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     layers = config[keys[0]]
-    saved = [_saved_bytes(spec, _with_layers(config, keys[0], n), card, method, rows) for n in (1, 2)]
+    trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast)
+    saved = [trace(_with_layers(config, keys[0], n)) for n in (1, 2)]
     per_layer = saved[1] - saved[0]
     note = ("traced without the LoRA adapter, every weight trainable: an upper bound (peft cannot move fake "
             "tensors)") if spec.lora is not None else ""
     if spec.gradient_checkpointing:
         # checkpointed blocks keep their inputs; backward recomputes one block's activations at a time
-        full = [_saved_bytes(spec, _with_layers(config, keys[0], n), card, method, rows, checkpointing=False)
-                for n in (1, 2)]
+        full = [trace(_with_layers(config, keys[0], n), checkpointing=False) for n in (1, 2)]
         return saved[0] + (layers - 1) * per_layer + (full[1] - full[0]), note
     return saved[0] + (layers - 1) * per_layer, note
 
@@ -494,14 +517,16 @@ def _with_layers(config: dict, key: str, n: int) -> dict:
     return out
 
 
-def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
-                 checkpointing: Optional[bool] = None) -> int:
+def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
+                 autocast: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None) -> int:
     """Distinct non-parameter storages saved for backward by one forward, traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
-    if spec.sharded and spec.zero.precision == "bf16":
-        dtype = torch.bfloat16
+    if spec.sharded:  # the engine's precision; Lightning's does not apply
+        dtype, autocast = (torch.bfloat16 if spec.zero.precision == "bf16" else torch.float32), None
+    elif cast is not None:
+        dtype = cast
     cls = presets.model_class(spec.arch)
     checkpointing = spec.gradient_checkpointing if checkpointing is None else checkpointing
     with FakeTensorMode(), _default_dtype(dtype):
@@ -525,7 +550,8 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
                 saved[storage._cdata] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
             model(**inputs)
     return sum(saved.values())
 
