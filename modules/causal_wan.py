@@ -30,6 +30,10 @@ Version-fragile (checked by ``tests/test_causal_wan.py``): the base forward pass
 output unchanged to ``block(...)`` and on to ``attn1``'s processor; ``WanAttnProcessor`` applies RoPE as
 re-stated in :func:`apply_wan_rotary` (the cached path projects q/k/v itself); a ``(B, seq_len)`` timestep
 gives per-token modulation. Context parallelism (``_cp_plan`` splits the rope output) is refused.
+
+At full scale (Wan 1.3B, 21 latent frames x 1560 tokens): the full-video block-causal mask is a dense
+(L, L) bool tensor (about 1 GB; Self-Forcing uses a flex-attention ``BlockMask`` there), and a (B, F)
+timestep makes (B, L, 6, dim) modulation tensors; the chunk-by-chunk path with a (B,) timestep needs neither.
 """
 from __future__ import annotations
 
@@ -74,6 +78,15 @@ class WanKVCache:
         self.values = [None] * self.num_layers
         self.num_frames = 0
         self.tokens_per_frame = None
+
+    def truncate(self, num_frames: int) -> None:
+        """Keep the first ``num_frames`` frames (e.g. to regenerate the chunks after them)."""
+        if not 0 <= num_frames <= self.num_frames:
+            raise ValueError(f"cannot truncate a cache of {self.num_frames} frames to {num_frames}")
+        end = num_frames * (self.tokens_per_frame or 0)
+        self.keys = [None if k is None or end == 0 else k[:, :end] for k in self.keys]
+        self.values = [None if v is None or end == 0 else v[:, :end] for v in self.values]
+        self.num_frames = num_frames
 
     def store(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``key``/``value`` (B, L, heads, head_dim) at token ``start``, dropping anything after it.

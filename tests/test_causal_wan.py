@@ -269,3 +269,19 @@ def test_kv_cache_store_is_idempotent():
     cache.store(0, 4, -k[:, :2], -k[:, :2])
     cache.store(0, 4, -k[:, :2], -k[:, :2])
     assert cache.keys[0].flatten().tolist() == [0, 1, 2, 3, 0, -1]
+
+
+def test_kv_cache_truncate_then_regenerate(causal):
+    """Truncating to the first chunk and re-storing the second gives the cache of the straight run."""
+    x, cond = inputs(8)
+    cache = causal.new_cache()
+    with torch.no_grad():
+        causal(x[:, :, :4], torch.zeros(B), cond, kv_cache=cache, update_cache=True)
+        keys = [k.clone() for k in cache.keys]
+        causal(x[:, :, 4:], torch.zeros(B), cond, kv_cache=cache, update_cache=True)
+        cache.truncate(2)
+        assert cache.num_frames == 2 and cache.keys[0].shape[1] == 32
+        causal(x[:, :, 2:4], torch.zeros(B), cond, kv_cache=cache, update_cache=True)
+    assert max((a - b).abs().max().item() for a, b in zip(cache.keys, keys)) < 1e-5
+    with pytest.raises(ValueError, match="truncate a cache of 4 frames to 6"):
+        cache.truncate(6)
