@@ -34,7 +34,7 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 @torch.no_grad()
-def generate_cached(model, cache, noise, cond, chunk: int) -> None:
+def generate_cached(model, cache, noise, cond) -> None:
     x = noise
     batch = noise.shape[0]
     for s, s_next in zip(SIGMAS[:-1], SIGMAS[1:]):
@@ -88,7 +88,7 @@ def main() -> None:
         cache.truncate((k - 1) * n)
         noise = video[:, :, (k - 1) * n:k * n]
         start = time.perf_counter()
-        generate_cached(model, cache, noise, cond, n)
+        generate_cached(model, cache, noise, cond)
         return time.perf_counter() - start
 
     def run_recomputed(k: int) -> float:
