@@ -21,7 +21,6 @@ from torch import nn
 
 from posttrain.modules import presets
 from posttrain.modules.cache import EmbeddingCache
-from posttrain.modules.text import encode_prompts
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -224,17 +223,22 @@ class ModelCard(nn.Module):
         sig.update({name: {"role_of": of, "role": role} for name, (of, role) in self.roles.items()})
         return sig
 
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """Where each expert's weights come from (plain types: written into checkpoints and read by export)."""
+        return {name: {"arch": spec.arch, "pretrained": spec.pretrained, "subfolder": spec.subfolder,
+                       "preset": dict(spec.preset), "tokenizer": spec.tokenizer, "dtype": spec.dtype,
+                       "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora)}
+                for name, spec in self.specs.items()}
+
     def describe(self) -> dict[str, Any]:
         return {name: asdict(spec) | {"optimizer": repr(spec.optimizer)} for name, spec in self.specs.items()}
 
     # ------------------------------------------------------------------ text
-    def prompt_embeds(self, prompts: list[str], encoder: str = "text_encoder") -> torch.Tensor:
-        """(B, L, D) frozen-encoder embeddings, cached by (encoder, version, prompt hash)."""
-        model = self.models[encoder]
-        return self.cache.get_or_compute(
-            encoder, self.versions[encoder], prompts,
-            lambda missing: encode_prompts(self.tokenizers[encoder], model, missing, self.text_max_length),
-        )
+    def text_embeds(self, encoder: str, prompts: list[str],
+                    compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
+        """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
+        ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
+        return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
 
 
 def freeze(model: nn.Module) -> nn.Module:

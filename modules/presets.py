@@ -128,14 +128,27 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             ) from err
     if arch in TRAINED_ASSETS and not preset:
         model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
-        return model.to(dtype) if dtype not in (None, torch.float32) else model
+        return cast(model, dtype)
     config = {**PRESETS[arch], **(preset or {})}
     if arch in _DIFFUSERS:
         model = _DIFFUSERS[arch](**config)
     else:
         cls, config_cls = _TRANSFORMERS[arch]
         model = cls(config_cls(**config))
-    return model.to(dtype) if dtype not in (None, torch.float32) else model
+    return cast(model, dtype)
+
+
+def cast(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """``model``'s floating-point weights in ``dtype``, except those its class keeps in float32
+    (``_keep_in_fp32_modules``: Wan's time embedder, norms and modulation tables, T5's ``wo``), as
+    ``from_pretrained(torch_dtype=...)`` does."""
+    if dtype is None:
+        return model
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or []) if dtype != torch.float32 else set()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if keep.intersection(name.split(".")) else dtype)
+    return model
 
 
 def build_tokenizer(path: str | None = None):

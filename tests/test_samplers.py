@@ -6,19 +6,70 @@ import math
 import pytest
 import torch
 
+from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from posttrain.modules.conditioning import Conditioning
+from posttrain.modules.generators import ADAPTERS
 from posttrain.modules.samplers import (
     FlowMatchSampler, gaussian_log_prob, guided, ml_velocity, sde_mean, sde_std, sde_step, shift_sigmas,
-    sigma_schedule, wan_velocity,
 )
 
 
-def test_shift_and_schedule():
-    """σ' = sσ/(1+(s-1)σ): s=3, σ=0.5 gives 1.5/2 = 0.75; endpoints stay at 1 and 0."""
+def velocity_of(model):
+    """Wan T2V's velocity function over a raw (B, L, D) text tensor."""
+    return lambda x, t, c: ADAPTERS["wan_t2v"].velocity(model, x, t, Conditioning(encoder_hidden_states=c))
+
+
+def test_schedule_is_the_diffusers_schedulers():
+    """σ and timesteps are what FlowMatchEulerDiscreteScheduler(shift=3).set_timesteps(4) gives — σ_i =
+    shift(linspace(1, σ_min, 4)) then 0 with σ_min = shift(1/1000), timesteps 1000·σ — not
+    shift(linspace(1, 0, 5)), which differs by up to 0.13 at the last step (what WanPipeline would not
+    reproduce)."""
     assert shift_sigmas(torch.tensor(0.5), 3.0).item() == pytest.approx(0.75)
-    s = sigma_schedule(4, shift=3.0)
-    assert s.shape == (5,) and s[0] == 1.0 and s[-1] == 0.0
-    assert torch.all(s[1:] < s[:-1])
-    assert s[2].item() == pytest.approx(0.75)
+    schedule = FlowMatchSampler(num_steps=4).schedule()
+    reference = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    reference.set_timesteps(4)
+    assert torch.equal(schedule.sigmas, reference.sigmas) and torch.equal(schedule.timesteps, reference.timesteps)
+    assert schedule.sigmas[0] == 1.0 and schedule.sigmas[-1] == 0.0 and torch.all(schedule.sigmas.diff() < 0)
+    expected = shift_sigmas(torch.linspace(1.0, shift_sigmas(torch.tensor(1 / 1000), 3.0).item(), 4), 3.0)
+    torch.testing.assert_close(schedule.sigmas[:-1], expected)
+    old = shift_sigmas(torch.linspace(1.0, 0.0, 5), 3.0)
+    assert (schedule.sigmas - old).abs().max() > 0.1
+
+
+def test_euler_step_is_the_schedulers_step(wan):
+    """The sampler's ODE step for the Euler scheduler equals ``scheduler.step`` exactly."""
+    sampler = FlowMatchSampler(num_steps=3, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    fn = velocity_of(wan)
+    noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    reference = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    reference.set_timesteps(3)
+    x = noise
+    with torch.no_grad():
+        ours = sampler.sample(fn, noise, cond).latents
+        for t in reference.timesteps:
+            x = reference.step(fn(x, t.expand(1), cond).float(), t, x, return_dict=False)[0]
+    assert torch.equal(ours, x)
+
+
+def test_another_flow_scheduler_serves_but_does_not_roll_out(wan):
+    """UniPC (as Wan ships it) drives ODE serving through its own ``step``; an SDE rollout needs Euler;
+    a scheduler that is not flow matching is refused at construction."""
+    unipc = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction")
+    sampler = FlowMatchSampler(num_steps=4, scheduler=unipc)
+    fn = velocity_of(wan)
+    noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = sampler.sample(fn, noise, cond).latents
+        b = sampler.sample(fn, noise, cond).latents  # a fresh scheduler copy per call: same result
+        euler = FlowMatchSampler(num_steps=4).sample(fn, noise, cond).latents
+    assert torch.equal(a, b) and not torch.allclose(a, euler)
+    with pytest.raises(ValueError, match="SDE rollouts need FlowMatchEulerDiscreteScheduler"):
+        sampler.sample(fn, noise, cond, sde=True)
+    with pytest.raises(ValueError, match="not a flow-matching scheduler"):
+        FlowMatchSampler(scheduler=DDIMScheduler())
 
 
 def test_sde_log_prob_is_the_gaussian_density():
@@ -94,11 +145,11 @@ def wan():
 def test_c2_identity_recompute_equals_stored(wan):
     """Recomputing every SDE step's log p of a captured rollout under unchanged weights gives the stored
     value (PPO ratio 1); a different guidance scale at recompute breaks it."""
-    sampler = FlowMatchSampler(num_steps=4, shift=3.0, guidance_scale=1.0)
+    sampler = FlowMatchSampler(num_steps=4, guidance_scale=1.0)
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(2, 16, 3, 4, 4, generator=g)
     cond, uncond = torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 32, generator=g)
-    fn = wan_velocity(wan)
+    fn = velocity_of(wan)
     with torch.no_grad():
         traj = sampler.sample(fn, noise, cond, uncond, sde=True, capture=True, generator=g)
         assert traj.xs.shape == (5, 2, 16, 3, 4, 4) and traj.log_probs.shape == (4, 2)
@@ -113,7 +164,7 @@ def test_ode_is_deterministic_and_sde_is_not(wan):
     sampler = FlowMatchSampler(num_steps=3)
     noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
     cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
-    fn = wan_velocity(wan)
+    fn = velocity_of(wan)
     with torch.no_grad():
         a = sampler.sample(fn, noise, cond).latents
         b = sampler.sample(fn, noise, cond).latents
@@ -127,11 +178,11 @@ def test_batched_cfg_equals_two_passes(wan):
     g = torch.Generator().manual_seed(0)
     x, cond = torch.randn(2, 16, 3, 4, 4, generator=g), torch.randn(2, 8, 32, generator=g)
     uncond = torch.zeros_like(cond)
-    fn = wan_velocity(wan)
-    sigma = torch.tensor(0.6)
+    fn = velocity_of(wan)
+    t = torch.tensor(600.0)
     with torch.no_grad():
-        v = sampler.velocity(fn, x, sigma, cond, uncond)
-        vc, vu = fn(x, sigma.expand(2), cond), fn(x, sigma.expand(2), uncond)
+        v = sampler.velocity(fn, x, t, cond, uncond)
+        vc, vu = fn(x, t.expand(2), cond), fn(x, t.expand(2), uncond)
     torch.testing.assert_close(v, vu + 4.0 * (vc - vu), atol=1e-5, rtol=1e-4)
 
 

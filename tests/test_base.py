@@ -1,0 +1,74 @@
+"""The base's guarantees every method relies on: no gradient leaks between experts, per-step backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit.base import ExpertModule, GradientLeakError, RunArgs
+from posttrain.modules.cards import Expert
+from posttrain.modules.losses import flow_matching_loss, noised
+from tests.conftest import adamw, wan_card
+from tests.helpers import quick_trainer
+
+SIZE = RunArgs(frames=5, height=16, width=16)
+
+
+class Leaky(ExpertModule):
+    """The student's loss reads the critic's output *with* grad (a forgotten ``no_grad``) — or not."""
+
+    def __init__(self, card, leak: bool):
+        super().__init__(card, run=SIZE)
+        self.leak = leak
+
+    def training_step(self, batch, batch_idx):
+        x0 = self.stage.encode(batch["video"])
+        cond = self.stage.condition(list(batch["prompt"]))
+        sigma = torch.full((x0.shape[0],), 0.5)
+        noise = torch.randn(x0.shape, generator=self.generator)
+        t = self.sampler.timestep_of(sigma)
+        with self.stage.velocity("transformer") as student:
+            v = student(noised(x0, noise, sigma), t, cond)
+        with torch.set_grad_enabled(self.leak), self.stage.velocity("critic") as critic:
+            v_fake = critic(noised(x0, noise, sigma), t, cond)
+        loss = flow_matching_loss(v, x0, noise)[0].mean() + (v.float() - v_fake.float()).pow(2).mean()
+        self.step_experts(loss, ["transformer"])
+
+
+def card():
+    return wan_card(extra={"critic": Expert(arch="wan_t2v", trainable=True, optimizer=adamw())})
+
+
+def test_a_backward_into_an_expert_not_stepped_is_refused():
+    """A loss meant for the student that reaches the critic's parameters stops the run naming both, before
+    the critic's next step could take those gradients; with the critic under no_grad it trains."""
+    module = Leaky(card(), leak=True)
+    module.configure_model()
+    critic = {k: v.clone() for k, v in module.card["critic"].state_dict().items()}
+    with pytest.raises(GradientLeakError, match=r"meant for \['transformer'\] wrote gradients into \['critic'\]"):
+        quick_trainer(max_steps=2).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+    assert all(torch.equal(v, module.card["critic"].state_dict()[k]) for k, v in critic.items())
+    clean = Leaky(card(), leak=False)
+    quick_trainer(max_steps=2).fit(clean, SyntheticVideos(num_samples=4, batch_size=2))
+    assert clean.card.versions["transformer"] == 2 and clean.card.versions["critic"] == 0
+
+
+def test_accumulating_gradients_of_another_expert_are_not_a_leak():
+    """An expert that accumulates over iterations holds gradients between its steps; another expert's
+    backward leaves them as they are, and that is no leak."""
+    c = wan_card(extra={"critic": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(), accumulate=2)})
+
+    class Alternate(ExpertModule):
+        def training_step(self, batch, batch_idx):
+            x0 = self.stage.encode(batch["video"])
+            cond = self.stage.condition(list(batch["prompt"]))
+            sigma = torch.full((x0.shape[0],), 0.5)
+            noise = torch.randn(x0.shape, generator=self.generator)
+            for name in ("critic", "transformer"):
+                with self.stage.velocity(name) as velocity:
+                    v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
+                self.step_experts(flow_matching_loss(v, x0, noise)[0].mean(), [name])
+
+    module = Alternate(c, run=SIZE)
+    quick_trainer(max_steps=3).fit(module, SyntheticVideos(num_samples=6, batch_size=2))
+    assert module.card.versions["transformer"] == 3 and module.card.versions["critic"] == 1
