@@ -4,8 +4,10 @@ The methods are imported here so that YAML can name them by class (``model: {cla
 """
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
+from posttrain.lit.dmd2 import DMD2
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
+from posttrain.lit.self_forcing import SelfForcing
 
-__all__ = ["ExpertModule", "RunArgs", "Finetune", "FlowGRPO", "DiffusionNFT", "JointRL"]
+__all__ = ["ExpertModule", "RunArgs", "Finetune", "FlowGRPO", "DiffusionNFT", "JointRL", "DMD2", "SelfForcing"]

@@ -3,14 +3,16 @@
 It owns plumbing only — never a method's algorithm:
 - ``configure_optimizers``: one optimizer (and optional scheduler) per trainable expert of the card;
 - ``step_experts(losses, experts)``: back the loss (or a list of per-step losses, one at a time) up into
-  ``experts`` only — a backward that reaches another expert's gradients is an error — then per expert
+  ``experts`` only — a loss whose graph reaches another trainable expert is refused before its backward —
+  then per expert
   accumulation, gradient clipping, a non-finite guard and the optimizer step, logging
   ``train/grad_norm/<expert>``, ``train/lr/<expert>``;
 - iterations: Lightning counts every ``optimizer.step()`` in ``global_step``; here optimizers are
   stepped raw and ``callbacks.IterationCounter`` advances ``global_step`` once per training batch, so
   ``max_steps``, logging and checkpoint cadence count iterations whatever the number of experts;
-- exact resume: the method's noise generator, the global RNGs, accumulation counters and the card's
-  signature travel in the checkpoint; a checkpoint of another card is refused before anything loads;
+- exact resume: the method's noise generators (``generator``, one stream per process, and
+  ``shared_generator``, the same stream on every process), the global RNGs, accumulation counters and the
+  card's signature travel in the checkpoint; a checkpoint of another card is refused before anything loads;
 - ``generate``: the serving path (the one sampler, through the generator stage), used by ``predict``,
   sample logging and evaluation.
 """
@@ -33,6 +35,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from posttrain.callbacks.iterations import IterationCounter
 from posttrain.callbacks.versions import SyncPlan, WeightVersions
+from posttrain.modules import presets
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.generators import GeneratorStage, VideoSize
 from posttrain.modules.samplers import FlowMatchSampler
@@ -97,6 +100,8 @@ class ExpertModule(LightningModule):
         self._micro: dict[str, int] = {}
         self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
         self.generator = torch.Generator().manual_seed(self.run.seed)
+        # draws every process must agree on (e.g. Self-Forcing's exit step): seeded alike on all ranks
+        self.shared_generator = torch.Generator().manual_seed(self.run.seed)
 
     @property
     def video(self) -> VideoSize:
@@ -109,6 +114,12 @@ class ExpertModule(LightningModule):
                      and f"the card has no {name!r}" not in problems]
         problems += [f"{method} trains `{name}`: set `trainable: true` and give it an optimizer"
                      for name in trains if name in self.card.specs and not self.card.specs[name].trainable]
+        generator = self.card.specs.get(self.stage.transformer)
+        if self.sampler.chunk_frames is not None and generator is not None \
+                and not hasattr(presets.model_class(generator.arch), "new_cache"):
+            problems.append(f"sampler.chunk_frames={self.sampler.chunk_frames} samples chunk by chunk with a KV "
+                            f"cache, but `{self.stage.transformer}` has arch {generator.arch!r}, which is not "
+                            f"block-causal: set `arch: wan_t2v_causal`, or sampler.chunk_frames: null")
         if self.run.max_nan_steps < 1:
             problems.append(f"run.max_nan_steps={self.run.max_nan_steps} must be >= 1")
         return problems
@@ -123,7 +134,12 @@ class ExpertModule(LightningModule):
             gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
             with gathered(self.card):
                 self.setup_roles()
-        self.stage.latent_shape(self.video)  # a size the VAE and the patch size cannot take stops here
+        shape = self.stage.latent_shape(self.video)  # a size the VAE and the patch size cannot take stops here
+        chunk = self.sampler.chunk_frames
+        if chunk is not None and shape[1] % chunk:
+            raise ValueError(f"sampler.chunk_frames={chunk} does not divide the {shape[1]} latent frames of "
+                             f"run.frames={self.video.frames}: choose a divisor of {shape[1]}, or frames giving a "
+                             f"multiple of {chunk} latent frames")
 
     def setup_roles(self) -> None:
         """Methods add frozen roles (``card.add_role``) and sync plans here, after the card is built."""
@@ -145,6 +161,7 @@ class ExpertModule(LightningModule):
                 f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
                 f"`{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
         self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
+        self.shared_generator = torch.Generator().manual_seed(self.run.seed)
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
@@ -216,14 +233,18 @@ class ExpertModule(LightningModule):
         activation memory holds one of them (gradients accumulate; the caller scales each part).
         A non-finite loss (on any process) skips all of ``experts`` (gradients cleared,
         ``train/nan_skipped`` logged); a non-finite gradient norm skips that expert only (gradients are
-        all-reduced, so every process agrees). No NaN ever reaches a weight. A backward that writes a
-        gradient into a trainable expert not in ``experts`` raises ``GradientLeakError``: it would
-        silently join that expert's next step.
+        all-reduced, so every process agrees). No NaN ever reaches a weight. A loss whose autograd graph
+        reaches a trainable expert not in ``experts`` (sharded or not) raises ``GradientLeakError`` before
+        its backward, and so does a backward that wrote into one anyway (a reentrant checkpoint hides
+        parameters from the graph): those gradients would silently join that expert's next step.
         """
         parts = [lambda: losses] if isinstance(losses, torch.Tensor) else list(losses)
         guard = self._grad_snapshot(experts)
         for i, part in enumerate(parts):
             loss = part()
+            leaked = sorted(self._experts_in_graph(loss) - set(experts))
+            if leaked:
+                raise GradientLeakError(self._leak_message(experts, leaked, "would write"))
             # decided on all ranks together: one rank skipping its backward would leave DDP's others waiting
             if self.any_rank(not bool(torch.isfinite(loss.detach()).all())):
                 self._skip_non_finite(loss, experts)
@@ -257,13 +278,30 @@ class ExpertModule(LightningModule):
         return [(n, p, None if p.grad is None else p.grad._version) for n in others
                 for p in self.card.parameters_of(n)]
 
-    @staticmethod
-    def _check_no_leak(snapshot, experts: list[str]) -> None:
+    def _experts_in_graph(self, loss: torch.Tensor) -> set[str]:
+        """The trainable experts whose parameters ``loss``'s autograd graph reaches (its AccumulateGrad leaves)."""
+        owner = {id(p): name for name in self.card.trainable for p in self.card.parameters_of(name)}
+        found, seen, stack = set(), set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in owner:
+                found.add(owner[id(variable)])
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return found
+
+    def _check_no_leak(self, snapshot, experts: list[str]) -> None:
         leaked = sorted({n for n, p, version in snapshot
                          if (p.grad is not None) and (version is None or p.grad._version != version)})
         if leaked:
-            raise GradientLeakError(
-                f"a backward meant for {experts} wrote gradients into {leaked}: their forward ran with grad "
+            raise GradientLeakError(self._leak_message(experts, leaked, "wrote"))
+
+    @staticmethod
+    def _leak_message(experts: list[str], leaked: list[str], verb: str) -> str:
+        return (f"a backward meant for {experts} {verb} gradients into {leaked}: their forward ran with grad "
                 f"inside this loss. Run it under `torch.no_grad()` (or detach its output), or step those "
                 f"experts from this loss too.")
 
@@ -306,13 +344,16 @@ class ExpertModule(LightningModule):
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False) -> torch.Tensor:
-        """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: ODE sampling of the serving transformer,
-        then VAE decoding. The noise is ``torch.randn`` of one CPU generator seeded with ``seed``, in the
+        """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: the sampler's loop over the serving transformer
+        (chunk by chunk for a block-causal one), then VAE decoding. The noise is ``torch.randn`` of one CPU generator seeded with ``seed``, in the
         latent shape the diffusers pipeline uses, so ``WanPipeline(latents=that noise)`` reproduces it."""
         shape = self.stage.latent_shape(self.video)
-        noise = torch.randn((len(prompts), *shape), generator=torch.Generator().manual_seed(seed)).to(self.device)
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)
         cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale)
-        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer)
+        # the same generator draws any later noise (a few-step student's re-noise steps)
+        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer,
+                                 generator=generator)
         return traj.latents if latents_only else self.stage.decode(traj.latents)
 
     def serving_settings(self) -> dict[str, Any]:
@@ -321,6 +362,7 @@ class ExpertModule(LightningModule):
         scheduler = self.sampler.scheduler
         return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
                 "num_inference_steps": self.sampler.num_steps, "guidance_scale": self.sampler.guidance_scale,
+                "sigmas": self.sampler.step_sigmas, "chunk_frames": self.sampler.chunk_frames,
                 "max_sequence_length": self.card.text_max_length, "num_frames": self.video.frames,
                 "height": self.video.height, "width": self.video.width, "transformer": self.serving_transformer,
                 "generator": self.stage.transformer, "vae": self.stage.vae, "text_encoders": list(self.stage.encoders)}
@@ -344,6 +386,7 @@ class ExpertModule(LightningModule):
             "serving": self.serving_settings(),
             "run": {"wandb_id": self._wandb_id()},
             "generators": generators,
+            "shared_generator": self.shared_generator.get_state(),
             "micro": dict(self._micro),
             "nan_streak": dict(self._nan_streak),
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate()},
@@ -365,6 +408,8 @@ class ExpertModule(LightningModule):
         check_signature(state["signature"], self.card.signature())
         generators = state["generators"]
         self.generator.set_state(generators[self.global_rank % len(generators)])
+        if "shared_generator" in state:
+            self.shared_generator.set_state(state["shared_generator"])
         self._micro = dict(state["micro"])
         self._nan_streak = dict(state["nan_streak"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -98,10 +98,13 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
     pipe.save_pretrained(out, safe_serialization=True)
     if lora_layers is not None:
         _save_lora(adapter, out, lora_layers)
-    keys = ("num_inference_steps", "guidance_scale", "max_sequence_length", "num_frames", "height", "width")
+    # ``sigmas``: a few-step student's list (pass it to ``scheduler.set_timesteps``); ``chunk_frames``: a
+    # block-causal student's chunk, which the bidirectional pipeline does not reproduce
+    keys = ("num_inference_steps", "guidance_scale", "max_sequence_length", "num_frames", "height", "width",
+            "sigmas", "chunk_frames")
     with open(os.path.join(out, "serving.json"), "w") as f:
         json.dump({"pipeline": type(pipe).__name__, "transformer": name,
-                   **{k: serving[k] for k in keys if k in serving}}, f, indent=1)
+                   **{k: serving[k] for k in keys if serving.get(k) is not None}}, f, indent=1)
     return out
 
 

@@ -67,6 +67,9 @@ class Expert:
     lora: Optional[LoraConfig] = None
     gradient_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # start from the weights of this other expert of the card, after both are built (e.g. a DMD2 student
+    # and critic from the teacher; a block-causal student from a bidirectional teacher of the same config)
+    init_from: Optional[str] = None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -127,6 +130,14 @@ class ModelCard(nn.Module):
                 problems.append(f"expert {name!r}: {err}; give a local folder or remove `pretrained`")
             if spec.lora is not None and not spec.trainable:
                 problems.append(f"expert {name!r} has a LoRA adapter but trainable=false")
+            if spec.init_from is not None:
+                source = self.specs.get(spec.init_from)
+                if source is None or spec.init_from == name:
+                    problems.append(f"expert {name!r}: init_from={spec.init_from!r} is not another expert of the "
+                                    f"card; choose one of {sorted(n for n in self.specs if n != name)}")
+                elif source.init_from is not None:
+                    problems.append(f"expert {name!r}: init_from={spec.init_from!r}, which itself has init_from="
+                                    f"{source.init_from!r}; point {name!r} at {source.init_from!r} directly")
         if problems:
             raise ValueError("invalid model card:\n  - " + "\n  - ".join(problems))
 
@@ -138,13 +149,20 @@ class ModelCard(nn.Module):
         """Build every expert (random tiny preset or ``from_pretrained``) and freeze the frozen ones.
 
         ``init_context(name, expert)`` wraps each construction, e.g. ``deepspeed.zero.Init`` for an
-        expert too large to build whole on one process.
+        expert too large to build whole on one process. An expert with ``init_from`` then takes the named
+        expert's weights (before any LoRA adapter is added).
         """
+        built = {}
         for name, spec in self.specs.items():
             ctx = init_context(name, spec) if init_context is not None else contextlib.nullcontext()
             with ctx:
-                model = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
-                                            _dtype(spec.dtype))
+                built[name] = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
+                                                  _dtype(spec.dtype))
+        for name, spec in self.specs.items():
+            if spec.init_from is not None:
+                copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})")
+        for name, spec in self.specs.items():
+            model = built[name]
             if spec.arch in presets.TEXT_ENCODERS or spec.arch == "qwen2":
                 self.tokenizers[name] = presets.build_tokenizer(spec.tokenizer)
             if spec.lora is not None:
@@ -227,7 +245,8 @@ class ModelCard(nn.Module):
         """Where each expert's weights come from (plain types: written into checkpoints and read by export)."""
         return {name: {"arch": spec.arch, "pretrained": spec.pretrained, "subfolder": spec.subfolder,
                        "preset": dict(spec.preset), "tokenizer": spec.tokenizer, "dtype": spec.dtype,
-                       "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora)}
+                       "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora),
+                       "init_from": spec.init_from}
                 for name, spec in self.specs.items()}
 
     def describe(self) -> dict[str, Any]:
@@ -239,6 +258,36 @@ class ModelCard(nn.Module):
         """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
         ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
         return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+
+@torch.no_grad()
+def copy_weights(source: nn.Module, target: nn.Module, what: str) -> None:
+    """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
+
+    A ZeRO-3 partitioned model (built under ``deepspeed.zero.Init``) is gathered for the copy; the target is
+    written back from rank 0, where every process computed the same values.
+    """
+    with _gathered(source), _gathered(target, modifier=True):
+        src = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+        dst = {**dict(target.named_parameters()), **dict(target.named_buffers())}
+        missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
+        shapes = [k for k in dst if k in src and src[k].shape != dst[k].shape]
+        if missing or extra or shapes:
+            raise ValueError(f"{what}: the source's weights do not fit: missing {missing[:3]}, unexpected "
+                             f"{extra[:3]}, other shapes "
+                             f"{[(k, tuple(src[k].shape), tuple(dst[k].shape)) for k in shapes[:3]]}; give both "
+                             f"experts the same architecture (arch and preset)")
+        for key, tensor in dst.items():
+            tensor.copy_(src[key].to(tensor.dtype))
+
+
+def _gathered(model: nn.Module, modifier: bool = False):
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modifier else None)
 
 
 def freeze(model: nn.Module) -> nn.Module:

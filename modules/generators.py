@@ -46,8 +46,14 @@ class GeneratorAdapter:
         raise NotImplementedError
 
     def velocity(self, transformer: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
-                 cond: Conditioning) -> torch.Tensor:
+                 cond: Conditioning, **model_kwargs) -> torch.Tensor:
+        """``model_kwargs``: what a block-causal transformer takes besides (``kv_cache``, ``update_cache``)."""
         raise NotImplementedError
+
+    def new_cache(self, transformer: torch.nn.Module):
+        """An empty KV cache of a block-causal ``transformer`` (chunked sampling); None if it has none."""
+        new_cache = getattr(_unwrap(transformer), "new_cache", None)
+        return new_cache() if callable(new_cache) else None
 
     def latent_shape(self, transformer: torch.nn.Module, vae: torch.nn.Module, size: VideoSize) -> tuple[int, ...]:
         raise NotImplementedError
@@ -66,13 +72,22 @@ class GeneratorAdapter:
         return self.pipeline_class()(**components)
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DeepSpeed engine (``lit.strategy`` puts engines on the card)."""
+    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
+
+
 def _config(model: torch.nn.Module):
-    model = model.module if type(model).__name__ == "DeepSpeedEngine" else model
-    return model.config
+    return _unwrap(model).config
 
 
 class WanT2V(GeneratorAdapter):
-    """Wan 2.1 text-to-video (``WanPipeline``): UMT5 hidden states, zero beyond each prompt's tokens."""
+    """Wan 2.1 text-to-video (``WanPipeline``): UMT5 hidden states, zero beyond each prompt's tokens.
+
+    Also drives the block-causal student (``arch: wan_t2v_causal``, ``modules.causal_wan``): the same call
+    plus its ``kv_cache``/``update_cache`` keywords. With a cache the input is exactly one chunk, so the
+    chunk size of the call is the input's frame count.
+    """
 
     def pipeline_class(self):
         from diffusers import WanPipeline
@@ -84,10 +99,13 @@ class WanT2V(GeneratorAdapter):
         embeds = card.text_embeds(encoder, prompts, lambda missing: umt5_embeds(card, encoder, missing))
         return Conditioning(encoder_hidden_states=embeds)
 
-    def velocity(self, transformer, x, timestep, cond):
+    def velocity(self, transformer, x, timestep, cond, **model_kwargs):
         dtype = next(transformer.parameters()).dtype
+        if model_kwargs.get("kv_cache") is not None:
+            model_kwargs = {**model_kwargs, "num_frames_per_chunk": x.shape[2]}
         return transformer(hidden_states=x.to(dtype), timestep=timestep,
-                           encoder_hidden_states=cond["encoder_hidden_states"].to(dtype), return_dict=False)[0]
+                           encoder_hidden_states=cond["encoder_hidden_states"].to(dtype), return_dict=False,
+                           **model_kwargs)[0]
 
     def latent_shape(self, transformer, vae, size):
         patch = _config(transformer).patch_size
@@ -107,7 +125,9 @@ def umt5_embeds(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tens
     return (hidden * mask.unsqueeze(-1).to(hidden.dtype)).float()
 
 
-ADAPTERS: dict[str, GeneratorAdapter] = {"wan_t2v": WanT2V()}
+_WAN_T2V = WanT2V()
+# one adapter per architecture family: the block-causal Wan is driven like Wan T2V
+ADAPTERS: dict[str, GeneratorAdapter] = {"wan_t2v": _WAN_T2V, "wan_t2v_causal": _WAN_T2V}
 
 
 @dataclass
@@ -147,6 +167,23 @@ class GeneratorStage:
             problems.append(f"expert {self.transformer!r} has arch {arch!r}; a generator is one of {sorted(ADAPTERS)}")
         return problems
 
+    def peer_problems(self, name: str, role: str, trainable: bool, hint: str = "") -> list[str]:
+        """Problems of another generator this stage runs by name (a teacher, a critic): on the card, driven by
+        the same adapter as the stage's transformer, and trainable or frozen as the method needs."""
+        spec = self.card.specs.get(name)
+        if spec is None:
+            return [f"the card has no {name!r} ({role}){hint}"]
+        problems = []
+        own = self.card.specs[self.transformer].arch if self.transformer in self.card.specs else None
+        if spec.arch not in ADAPTERS or (own in ADAPTERS and ADAPTERS[spec.arch] is not ADAPTERS[own]):
+            problems.append(f"{name!r} ({role}) has arch {spec.arch!r}; it must be a generator run like "
+                            f"{self.transformer!r} ({own!r})")
+        if trainable and not spec.trainable:
+            problems.append(f"{name!r} ({role}) trains: set `trainable: true` and give it an optimizer")
+        if not trainable and spec.trainable:
+            problems.append(f"{name!r} ({role}) must be frozen: set `trainable: false` and drop its optimizer")
+        return problems
+
     # ------------------------------------------------------------------ conditioning
     def condition(self, prompts: list[str], device: Optional[torch.device] = None) -> Conditioning:
         """The conditioning of ``prompts`` (text rows cached by encoder version and prompt)."""
@@ -164,7 +201,17 @@ class GeneratorStage:
         """The velocity function of component ``name`` (default: the stage's transformer); a LoRA
         reference runs the policy with its adapter off inside the context."""
         with self.card.use(name or self.transformer) as module:
-            yield lambda x, t, cond: self.adapter.velocity(module, x, t, cond)
+            yield lambda x, t, cond, **model_kwargs: self.adapter.velocity(module, x, t, cond, **model_kwargs)
+
+    def new_cache(self, name: Optional[str] = None):
+        """An empty KV cache of component ``name`` (default: the stage's transformer), which must be block-causal."""
+        name = name or self.transformer
+        cache = self.adapter.new_cache(self.card[name])
+        if cache is None:
+            raise ValueError(f"sampler.chunk_frames samples chunk by chunk with a KV cache, but {name!r} "
+                             f"({type(_unwrap(self.card[name])).__name__}) is not block-causal: give it "
+                             f"`arch: wan_t2v_causal`, or set sampler.chunk_frames: null")
+        return cache
 
     def latent_shape(self, size: VideoSize) -> tuple[int, ...]:
         """(C, F', h, w) latents of a ``size`` video, checked against the VAE and patch factors."""
@@ -174,14 +221,18 @@ class GeneratorStage:
                  device: Optional[torch.device] = None) -> Schedule:
         return sampler.schedule(device, **self.adapter.schedule_kwargs(sampler, latent_shape))
 
-    @torch.no_grad()
     def sample(self, sampler: FlowMatchSampler, noise: torch.Tensor, cond: Conditioning,
-               uncond: Optional[Conditioning] = None, name: Optional[str] = None, **kwargs) -> Trajectory:
+               uncond: Optional[Conditioning] = None, name: Optional[str] = None,
+               exit_step: Optional[int] = None, **kwargs) -> Trajectory:
         """Denoise ``noise`` with component ``name`` through the one sampler (``kwargs``: ``sde``,
-        ``capture``, ``generator``, ``guidance_scale``)."""
+        ``capture``, ``generator``, ``guidance_scale``). Without grad, except with ``exit_step=k``: the
+        returned x̂0 of step k then carries the caller's grad (steps before it never do). With
+        ``sampler.chunk_frames`` the model is block-causal and samples chunk by chunk through a fresh KV cache."""
         schedule = self.schedule(sampler, tuple(noise.shape[1:]), noise.device)
-        with self.velocity(name) as fn:
-            return sampler.sample(fn, noise, cond, uncond, schedule=schedule, **kwargs)
+        if sampler.chunk_frames is not None:
+            kwargs["kv_cache"] = self.new_cache(name)
+        with torch.no_grad() if exit_step is None else contextlib.nullcontext(), self.velocity(name) as fn:
+            return sampler.sample(fn, noise, cond, uncond, schedule=schedule, exit_step=exit_step, **kwargs)
 
     # ------------------------------------------------------------------ pixels
     def encode(self, video: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Arch = Literal["wan_t2v", "wan_i2v", "wan_vae", "umt5", "t5", "qwen2", "flux", "vae_kl"]
+from posttrain.modules.causal_wan import CausalWanTransformer3DModel
+
+Arch = Literal["wan_t2v", "wan_t2v_causal", "wan_i2v", "wan_vae", "umt5", "t5", "qwen2", "flux", "vae_kl"]
 
 # ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model
 # uses this vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them.
@@ -34,6 +36,12 @@ TEXT_DIM = 32
 PRESETS: dict[str, dict[str, Any]] = {
     # WanTransformer3DModel, 0.15M parameters; text_dim matches the tiny UMT5's d_model.
     "wan_t2v": dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ),
+    # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict.
+    "wan_t2v_causal": dict(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16,
         out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
@@ -78,7 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _DIFFUSERS = {
-    "wan_t2v": WanTransformer3DModel, "wan_i2v": WanTransformer3DModel, "wan_vae": AutoencoderKLWan,
+    "wan_t2v": WanTransformer3DModel, "wan_t2v_causal": CausalWanTransformer3DModel, "wan_i2v": WanTransformer3DModel, "wan_vae": AutoencoderKLWan,
     "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
 }
 _TRANSFORMERS = {

@@ -14,12 +14,24 @@ folder run by ``WanPipeline`` reproduces ``predict`` from the same noise.
   per-step log-probability (Liu et al. 2025, eq. 9–12, reference
   ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``); diffusers has none. They need the Euler
   scheduler: a multistep ODE solver has no per-step transition density.
+- Few-step students (DMD2, Self-Forcing): ``step_sigmas`` is the student's step list (σ before the flow
+  shift, e.g. [1, .75, .5, .25]), handed to ``scheduler.set_timesteps(sigmas=...)``, which shifts it as
+  it shifts its own grid. Their step is the re-noise rule of the anchors, ``x_next = (1-σ')·x̂0 + σ'·ε``
+  with fresh ε (``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``'s ``step``, computed here
+  in float32 from the call's generator). ``exit_step=k`` stops at step k and returns its x̂0 = x - σ_k·v:
+  steps before k run under ``no_grad``, step k keeps the caller's grad (DMD2's backward simulation,
+  Self-Forcing's exit step).
+- Block-causal students (Self-Forcing): ``chunk_frames`` latent frames at a time, each chunk denoised
+  through the whole step list while attending to the finished chunks in a KV cache, then re-run once at
+  σ = 0 without grad to store its keys/values (Self-Forcing ``pipeline/self_forcing_training.py``).
+  Serving a causal student is the same chunk loop.
 
 ``predict``, sample logging and every rollout go through ``FlowMatchSampler.sample``. Everything
 numeric here runs in float32.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -31,8 +43,9 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from posttrain.modules.conditioning import Conditioning
 
-# (x (B, C, F, H, W), timestep (B,) as the scheduler gives it, conditioning) -> velocity, same shape as x
-VelocityFn = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+# (x (B, C, F, H, W), timestep (B,) as the scheduler gives it, conditioning) -> velocity, same shape as x.
+# The chunk loop also passes a block-causal model's ``kv_cache=`` and ``update_cache=`` keywords.
+VelocityFn = Callable[..., torch.Tensor]
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -108,6 +121,18 @@ def ml_velocity(x: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next, noise_
     return (x_next.float() - x.float() * a) / b
 
 
+def renoise_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The few-step students' step (DMD2, Self-Forcing): x̂0 = x - σ·v, then ``x_next = (1-σ')·x̂0 + σ'·ε``
+    with fresh ε — ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True).step``, in float32. At σ' = 0
+    it is x̂0 and draws nothing."""
+    x0 = x.float() - _bcast(sigma, x) * v.float()
+    if float(sigma_next) == 0.0:
+        return x0
+    noise = torch.randn(x0.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    return (1 - _bcast(sigma_next, x0)) * x0 + _bcast(sigma_next, x0) * noise.to(x0.device)
+
+
 def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """Classifier-free guidance: v = v_u + g·(v_c - v_u)."""
     if v_uncond is None or scale == 1.0:
@@ -157,12 +182,32 @@ class FlowMatchSampler:
         guidance_scale: classifier-free guidance; 1 disables the unconditional pass.
         noise_level: the SDE's ``a`` (Flow-GRPO anchor 0.7).
         sde_window: ``(start, end)`` step indices that are stochastic in an SDE rollout; None = all.
+        step_sigmas: a few-step student's step list, σ of each step before the scheduler's flow shift
+            (DMD2/Self-Forcing anchor [1.0, 0.75, 0.5, 0.25]); its length must be ``num_steps``.
+            None = the scheduler's own grid of ``num_steps``.
+        chunk_frames: latent frames per chunk of a block-causal transformer (``arch: wan_t2v_causal``):
+            sample chunk by chunk with a KV cache. None = the whole video in one pass.
     """
 
     def __init__(self, num_steps: int = 20, scheduler: Optional[SchedulerMixin] = None, guidance_scale: float = 1.0,
-                 noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None):
+                 noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None,
+                 step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None):
         if num_steps < 1:
             raise ValueError(f"sampler: num_steps={num_steps} must be >= 1")
+        if step_sigmas is not None:
+            steps = [float(s) for s in step_sigmas]
+            if not steps:
+                raise ValueError("sampler: step_sigmas=[] is empty; give the student's steps, e.g. "
+                                 "step_sigmas: [1.0, 0.75, 0.5, 0.25] with num_steps: 4, or remove step_sigmas")
+            if not all(0 < s <= 1 for s in steps) or any(a <= b for a, b in zip(steps, steps[1:])):
+                raise ValueError(f"sampler: step_sigmas={steps} must decrease strictly within (0, 1] (σ = 0 is "
+                                 f"appended by the scheduler)")
+            if len(steps) != num_steps:
+                raise ValueError(f"sampler: step_sigmas={steps} has {len(steps)} steps but num_steps={num_steps}; "
+                                 f"set num_steps: {len(steps)}")
+            step_sigmas = steps
+        if chunk_frames is not None and chunk_frames < 1:
+            raise ValueError(f"sampler: chunk_frames={chunk_frames} must be >= 1 latent frame (or null: no chunks)")
         if sde_window is not None and not (0 <= sde_window[0] < sde_window[1] <= num_steps):
             raise ValueError(f"sampler: sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
         scheduler = scheduler if scheduler is not None else FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -175,12 +220,22 @@ class FlowMatchSampler:
         self.guidance_scale = guidance_scale
         self.noise_level = noise_level
         self.sde_window = sde_window
+        self.step_sigmas = step_sigmas
+        self.chunk_frames = chunk_frames
+        if step_sigmas is not None:
+            self.schedule()  # a scheduler that takes no custom σ list stops here, not mid-run
 
     @property
     def euler(self) -> bool:
         """Whether ODE steps are plain Euler (and SDE rollouts are possible)."""
         return isinstance(self.scheduler, FlowMatchEulerDiscreteScheduler) \
             and not self.scheduler.config.get("stochastic_sampling", False)
+
+    @property
+    def renoise(self) -> bool:
+        """Whether steps re-noise the predicted x̂0 with fresh noise (``stochastic_sampling``: few-step students)."""
+        return isinstance(self.scheduler, FlowMatchEulerDiscreteScheduler) \
+            and bool(self.scheduler.config.get("stochastic_sampling", False))
 
     @property
     def num_train_timesteps(self) -> int:
@@ -194,7 +249,14 @@ class FlowMatchSampler:
         """σ grid and timesteps as the pipelines prepare them: ``scheduler.set_timesteps(num_steps, ...)``
         on a fresh copy (extra keyword arguments such as FLUX's ``sigmas``/``mu`` come from the adapter)."""
         scheduler = copy.deepcopy(self.scheduler)
-        scheduler.set_timesteps(self.num_steps, device=device, **set_timesteps_kwargs)
+        if self.step_sigmas is not None:  # the student's list replaces the pipeline's default grid
+            set_timesteps_kwargs = {**set_timesteps_kwargs, "sigmas": list(self.step_sigmas)}
+        try:
+            scheduler.set_timesteps(self.num_steps, device=device, **set_timesteps_kwargs)
+        except TypeError as err:
+            raise ValueError(f"sampler: {type(scheduler).__name__}.set_timesteps does not take "
+                             f"{sorted(set_timesteps_kwargs)} ({err}); step_sigmas needs a scheduler that takes a "
+                             f"σ list, e.g. FlowMatchEulerDiscreteScheduler") from err
         sigmas = scheduler.sigmas.to(device=device, dtype=torch.float32)
         timesteps = scheduler.timesteps.to(device)
         if len(sigmas) != self.num_steps + 1 or len(timesteps) != self.num_steps or float(sigmas[-1]) != 0.0:
@@ -224,35 +286,91 @@ class FlowMatchSampler:
 
     def sample(self, model: VelocityFn, noise: torch.Tensor, cond, uncond=None, sde: bool = False,
                capture: bool = False, generator: Optional[torch.Generator] = None,
-               guidance_scale: Optional[float] = None, schedule: Optional[Schedule] = None) -> Trajectory:
+               guidance_scale: Optional[float] = None, schedule: Optional[Schedule] = None,
+               exit_step: Optional[int] = None, kv_cache: Any = None) -> Trajectory:
         """Denoise ``noise`` (B, C, F, H, W) from σ = 1 to 0. ``sde=True`` is the RL rollout.
 
         ``schedule`` is the prepared grid (the generator adapter's ``schedule``); None = this sampler's
-        plain ``schedule()``.
+        plain ``schedule()``. ``generator`` draws the SDE noise and the re-noise rule's fresh noise.
+        ``exit_step=k``: stop at step k and return its x̂0 (steps before k under ``no_grad``, step k with the
+        caller's grad). With ``chunk_frames`` set, ``kv_cache`` is the causal model's empty cache (the
+        generator stage makes one) and ``model`` takes ``kv_cache``/``update_cache`` keywords.
         """
         if sde and not self.euler:
             raise ValueError(f"sampler: SDE rollouts need FlowMatchEulerDiscreteScheduler, got "
                              f"{type(self.scheduler).__name__} (a multistep solver has no per-step log p); keep "
                              f"it for serving and roll out with the Euler scheduler")
+        if exit_step is not None and not 0 <= exit_step < self.num_steps:
+            raise ValueError(f"sampler: exit_step={exit_step} must be in [0, num_steps={self.num_steps})")
+        if exit_step is not None and (sde or capture):
+            raise ValueError("sampler: exit_step returns one x̂0 with grad; it does not combine with sde/capture")
         schedule = schedule or self.schedule(noise.device)
+        if self.chunk_frames is None:
+            return self._denoise(model, noise, cond, uncond, sde, capture, generator, guidance_scale, schedule,
+                                 exit_step)
+
+        # Block-causal: chunk by chunk, each attending to the finished chunks through the KV cache
+        # (Self-Forcing ``pipeline/self_forcing_training.py``; CausVid's ``inference.py``).
+        n, num_frames = self.chunk_frames, noise.shape[2]
+        if num_frames % n:
+            raise ValueError(f"sampler: chunk_frames={n} does not divide the {num_frames} latent frames; choose a "
+                             f"divisor of {num_frames} or change run.frames")
+        if sde or capture:
+            raise ValueError("sampler: chunked sampling (chunk_frames) has no SDE rollout or capture")
+        if kv_cache is None:
+            raise ValueError(f"sampler: chunk_frames={n} needs the causal model's kv_cache (GeneratorStage.sample "
+                             f"makes one)")
+        g = self.guidance_scale if guidance_scale is None else guidance_scale
+        chunks = []
+        for start in range(0, num_frames, n):
+            # 1. denoise this chunk's noise through the step list; the cache is read, not written
+            def reader(x, t, c):
+                return model(x, t, c, kv_cache=kv_cache)
+
+            chunk = self._denoise(reader, noise[:, :, start:start + n], cond, uncond, False, False, generator,
+                                  guidance_scale, schedule, exit_step).latents
+            chunks.append(chunk)
+            # 2. the finished chunk, re-run at σ = 0 without grad, stores its keys/values for the next chunks
+            if start + n < num_frames:
+                def writer(x, t, c):
+                    return model(x, t, c, kv_cache=kv_cache, update_cache=True)
+
+                with torch.no_grad():
+                    self.velocity(writer, chunk.detach(), torch.zeros((), device=chunk.device), cond, uncond, g)
+        return Trajectory(latents=torch.cat(chunks, dim=2), sigmas=schedule.sigmas, timesteps=schedule.timesteps,
+                          sde_mask=torch.zeros(self.num_steps, dtype=torch.bool), sigma_cap=schedule.sigma_cap)
+
+    def _denoise(self, model: VelocityFn, noise: torch.Tensor, cond, uncond, sde: bool, capture: bool,
+                 generator: Optional[torch.Generator], guidance_scale: Optional[float], schedule: Schedule,
+                 exit_step: Optional[int]) -> Trajectory:
+        """The step loop over ``schedule`` (one chunk, or the whole video)."""
         sigmas, timesteps = schedule.sigmas, schedule.timesteps
         sde_mask = self.sde_steps() if sde else torch.zeros(self.num_steps, dtype=torch.bool)
+        last = self.num_steps - 1 if exit_step is None else exit_step
         x = noise.float()
         xs, log_probs = [x], []
-        for i in range(self.num_steps):
+        for i in range(last + 1):
             sigma, sigma_next = sigmas[i], sigmas[i + 1]
-            # 1. velocity at (x, t_i), guided
-            v = self.velocity(model, x, timesteps[i], cond, uncond, guidance_scale)
-            # 2. move to σ_next: SDE step with its log-probability, or the ODE step
-            if sde_mask[i]:
-                step = sde_step(x, v, sigma, sigma_next, self.noise_level, schedule.sigma_cap, generator=generator)
-                x, lp = step.x_next, step.log_prob
-            else:
-                if self.euler:
-                    x = x + (sigma_next - sigma) * v  # = FlowMatchEulerDiscreteScheduler.step, in float32
+            # steps before the exit step carry no grad (DMD2 backward simulation, Self-Forcing)
+            with torch.no_grad() if i < last and exit_step is not None else contextlib.nullcontext():
+                # 1. velocity at (x, t_i), guided
+                v = self.velocity(model, x, timesteps[i], cond, uncond, guidance_scale)
+                if i == exit_step:  # 2'. the exit step returns its x̂0 = x - σ·v (with grad)
+                    x = x - _bcast(sigma, x) * v
+                    break
+                # 2. move to σ_next: SDE step with its log-probability, or the ODE / re-noise step
+                if sde_mask[i]:
+                    step = sde_step(x, v, sigma, sigma_next, self.noise_level, schedule.sigma_cap,
+                                    generator=generator)
+                    x, lp = step.x_next, step.log_prob
                 else:
-                    x = schedule.scheduler.step(v, timesteps[i], x, return_dict=False)[0].float()
-                lp = torch.zeros(x.shape[0], device=x.device)
+                    if self.euler:
+                        x = x + (sigma_next - sigma) * v  # = FlowMatchEulerDiscreteScheduler.step, in float32
+                    elif self.renoise:
+                        x = renoise_step(x, v, sigma, sigma_next, generator)
+                    else:
+                        x = schedule.scheduler.step(v, timesteps[i], x, return_dict=False)[0].float()
+                    lp = torch.zeros(x.shape[0], device=x.device)
             if capture:
                 xs.append(x)
                 log_probs.append(lp)
