@@ -118,3 +118,16 @@ class TwoExperts(ExpertModule):
         self.step_experts(critic_loss, ["critic"])
         self.log("train/loss", loss.mean().detach(), on_step=True)
         return loss.mean().detach()
+
+
+class RecordExitSteps(Callback):
+    """Append ``<iteration> <exit step>`` of every iteration to ``<folder>/exit_<rank>.txt`` (a distillation
+    method logs ``train/exit_step``, which must be the same on every process)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.callback_metrics.get("train/exit_step")
+        with open(os.path.join(self.folder, f"exit_{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{trainer.global_step} {None if step is None else int(step)}\n")

@@ -72,3 +72,73 @@ def test_accumulating_gradients_of_another_expert_are_not_a_leak():
     module = Alternate(c, run=SIZE)
     quick_trainer(max_steps=3).fit(module, SyntheticVideos(num_samples=6, batch_size=2))
     assert module.card.versions["transformer"] == 3 and module.card.versions["critic"] == 1
+
+
+class CriticReadsStudent(ExpertModule):
+    """The critic's loss takes the student's sample without ``detach`` (the other direction of a leak); with
+    ``hidden`` the critic runs inside a reentrant checkpoint fed that sample."""
+
+    def __init__(self, card, detach: bool, hidden: bool = False):
+        super().__init__(card, run=SIZE)
+        self.detach, self.hidden = detach, hidden
+
+    def training_step(self, batch, batch_idx):
+        x0 = self.stage.encode(batch["video"])
+        cond = self.stage.condition(list(batch["prompt"]))
+        sigma = torch.full((x0.shape[0],), 0.5)
+        noise = torch.randn(x0.shape, generator=self.generator)
+        t = self.sampler.timestep_of(sigma)
+        with self.stage.velocity("transformer") as student:
+            sample = noised(x0, noise, sigma) - 0.5 * student(noised(x0, noise, sigma), t, cond).float()
+        if self.detach:
+            sample = sample.detach()
+        with self.stage.velocity("critic") as critic:
+            if self.hidden:  # the graph shows a CheckpointFunction, not the critic's parameters
+                v = torch.utils.checkpoint.checkpoint(lambda x: critic(x, t, cond), noised(sample, noise, sigma),
+                                                      use_reentrant=True)
+            else:
+                v = critic(noised(sample, noise, sigma), t, cond)
+        self.step_experts(flow_matching_loss(v, sample.detach(), noise)[0].mean(), ["critic"])
+
+
+def test_a_critic_loss_reaching_the_student_is_refused():
+    """The reverse direction: a critic loss on a non-detached student sample is refused before its backward
+    (the student's weights and gradients untouched); detached, the critic trains and the student never steps."""
+    module = CriticReadsStudent(card(), detach=False)
+    with pytest.raises(GradientLeakError, match=r"meant for \['critic'\] would write gradients into \['transformer'\]"):
+        quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+    assert all(p.grad is None for p in module.card["transformer"].parameters())
+    clean = CriticReadsStudent(card(), detach=True)
+    quick_trainer(max_steps=2).fit(clean, SyntheticVideos(num_samples=4, batch_size=2))
+    assert clean.card.versions["critic"] == 2 and clean.card.versions["transformer"] == 0
+
+
+class HiddenLeak(ExpertModule):
+    """A student loss that runs the critic inside a reentrant checkpoint on an input carrying the student's grad:
+    the loss graph shows a CheckpointFunction, not the critic's parameters, yet the backward recomputes the critic
+    with grad and writes into it."""
+
+    def __init__(self, card):
+        super().__init__(card, run=SIZE)
+
+    def training_step(self, batch, batch_idx):
+        x0 = self.stage.encode(batch["video"])
+        cond = self.stage.condition(list(batch["prompt"]))
+        sigma = torch.full((x0.shape[0],), 0.5)
+        noise = torch.randn(x0.shape, generator=self.generator)
+        t = self.sampler.timestep_of(sigma)
+        with self.stage.velocity("transformer") as student:
+            v = student(noised(x0, noise, sigma), t, cond).float()
+        with self.stage.velocity("critic") as critic:
+            v_fake = torch.utils.checkpoint.checkpoint(lambda x: critic(x, t, cond).float(),
+                                                       noised(x0, noise, sigma) - 0.1 * v, use_reentrant=True)
+        self.step_experts(flow_matching_loss(v, x0, noise)[0].mean() + v_fake.pow(2).mean(), ["transformer"])
+
+
+def test_a_leak_hidden_from_the_graph_is_caught_after_the_backward():
+    """The graph check cannot see through a reentrant checkpoint; the gradient check after the backward does, and
+    stops the run before the critic's next step."""
+    module = HiddenLeak(card())
+    module.configure_model()
+    with pytest.raises(GradientLeakError, match=r"meant for \['transformer'\] wrote gradients into \['critic'\]"):
+        quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
