@@ -4,8 +4,7 @@ It owns plumbing only — never a method's algorithm:
 - ``configure_optimizers``: one optimizer (and optional scheduler) per trainable expert of the card;
 - ``step_experts(losses, experts)``: back the loss (or a list of per-step losses, one at a time) up into
   ``experts`` only — a loss whose graph reaches another trainable expert is refused before its backward —
-  then per expert
-  accumulation, gradient clipping, a non-finite guard and the optimizer step, logging
+  then per expert accumulation, gradient clipping, a non-finite guard and the optimizer step, logging
   ``train/grad_norm/<expert>``, ``train/lr/<expert>``;
 - iterations: Lightning counts every ``optimizer.step()`` in ``global_step``; here optimizers are
   stepped raw and ``callbacks.IterationCounter`` advances ``global_step`` once per training batch, so
@@ -345,8 +344,9 @@ class ExpertModule(LightningModule):
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False) -> torch.Tensor:
         """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: the sampler's loop over the serving transformer
-        (chunk by chunk for a block-causal one), then VAE decoding. The noise is ``torch.randn`` of one CPU generator seeded with ``seed``, in the
-        latent shape the diffusers pipeline uses, so ``WanPipeline(latents=that noise)`` reproduces it."""
+        (chunk by chunk for a block-causal one), then VAE decoding. The noise is ``torch.randn`` of one CPU
+        generator seeded with ``seed``, in the latent shape the diffusers pipeline uses, so
+        ``WanPipeline(latents=that noise)`` reproduces it."""
         shape = self.stage.latent_shape(self.video)
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)

@@ -86,8 +86,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _DIFFUSERS = {
-    "wan_t2v": WanTransformer3DModel, "wan_t2v_causal": CausalWanTransformer3DModel, "wan_i2v": WanTransformer3DModel, "wan_vae": AutoencoderKLWan,
-    "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
+    "wan_t2v": WanTransformer3DModel, "wan_t2v_causal": CausalWanTransformer3DModel, "wan_i2v": WanTransformer3DModel,
+    "wan_vae": AutoencoderKLWan, "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
 }
 _TRANSFORMERS = {
     "umt5": (UMT5EncoderModel, UMT5Config), "t5": (T5EncoderModel, T5Config),

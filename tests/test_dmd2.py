@@ -148,7 +148,8 @@ def test_student_and_critic_start_from_the_teacher():
     module = dmd2()
     module.configure_model()
     teacher = weights(module, "teacher")
-    assert differs(teacher, weights(module, "transformer")) == 0.0 and differs(teacher, weights(module, "critic")) == 0.0
+    assert differs(teacher, weights(module, "transformer")) == 0.0
+    assert differs(teacher, weights(module, "critic")) == 0.0
     assert all(not p.requires_grad for p in module.card["teacher"].parameters())
 
 

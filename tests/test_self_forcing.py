@@ -70,8 +70,9 @@ def test_training_rollout_is_the_served_chunk_loop():
 
 def test_exit_steps_carry_the_only_grad_and_versions_keep_their_own_schedules():
     """Ratio 2 over 4 iterations: on iterations 0 and 2 the student forwards with grad exactly once per chunk (its
-    exit step), never in the cache writes; on 1 and 3 never. Student version 2, critic 4, teacher 0. (That the exit step is
-    the same on every process is checked on 2 processes in tests/test_dmd2.py: both methods draw it alike.)"""
+    exit step), never in the cache writes; on 1 and 3 never. Student version 2, critic 4, teacher 0. (That the
+    exit step is the same on every process is checked on 2 processes in tests/test_dmd2.py: both methods draw it
+    alike.)"""
     module = self_forcing()
     module.configure_model()
     calls = record_student_calls(module)
