@@ -144,6 +144,11 @@ class ExpertModule(LightningModule):
         """Methods add frozen roles (``card.add_role``) and sync plans here, after the card is built."""
 
     def setup(self, stage: str) -> None:
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:  # float16 AMP (GPU)
+            raise ValueError(
+                f"trainer.precision={self.trainer.precision}: float16 mixed precision needs a gradient scaler per "
+                f"expert, and experts are stepped by hand here without one; use `precision: bf16-mixed` (no scaler "
+                f"needed) or `dtype: bfloat16` on the experts")
         sharded = [name for name, spec in self.card.specs.items() if spec.sharded]
         if sharded and not hasattr(self.trainer.strategy, "expert_backward"):
             raise ValueError(

@@ -70,6 +70,9 @@ class Expert:
     # start from the weights of this other expert of the card, after both are built (e.g. a DMD2 student
     # and critic from the teacher; a block-causal student from a bidirectional teacher of the same config)
     init_from: Optional[str] = None
+    # diffusers attention backend of a diffusers model (e.g. "flash", "_native_cudnn", "native"); None keeps SDPA
+    attention_backend: Optional[str] = None
+    compile: bool = False  # torch.compile the module in place (state dict unchanged)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -85,10 +88,14 @@ class ModelCard(nn.Module):
         num_refiners: how many copies of ``refiner`` to add, named ``refiner_0``…``refiner_{N-1}``.
         refiner: the template of every refiner LM (independent weights and optimizer each).
         text_max_length: tokens per prompt for the text encoder.
+        cache_size: prompt-embedding rows kept in memory (least recently used dropped first); rows keep the
+            text encoder's dtype.
+        cache_device: keep cached rows where the encoder runs (``model``) or in host memory (``cpu``; they
+            move to the device per batch) — at 512×4096 bf16 a row is 4 MiB.
     """
 
     def __init__(self, experts: dict[str, Expert], num_refiners: int = 0, refiner: Optional[Expert] = None,
-                 text_max_length: int = 64):
+                 text_max_length: int = 64, cache_size: int = 8192, cache_device: Literal["model", "cpu"] = "model"):
         super().__init__()
         specs = dict(experts)
         for i in range(num_refiners):
@@ -98,13 +105,14 @@ class ModelCard(nn.Module):
         self.specs: dict[str, Expert] = specs
         self.num_refiners = num_refiners
         self.text_max_length = text_max_length
+        self.cache_size_problem = f"cache_size={cache_size} must be >= 1" if cache_size < 1 else None
         self._refiner_template = refiner
         self.validate()
         self.models = nn.ModuleDict()
         self.tokenizers: dict[str, Any] = {}
         self.roles: dict[str, tuple[str, str]] = {}  # role component name -> (source expert, role)
         self.versions: dict[str, int] = {name: 0 for name in specs}
-        self.cache = EmbeddingCache()
+        self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
 
     # ------------------------------------------------------------------ construction
     def validate(self) -> None:
@@ -138,6 +146,11 @@ class ModelCard(nn.Module):
                 elif source.init_from is not None:
                     problems.append(f"expert {name!r}: init_from={spec.init_from!r}, which itself has init_from="
                                     f"{source.init_from!r}; point {name!r} at {source.init_from!r} directly")
+            if spec.attention_backend is not None and spec.arch not in presets.DIFFUSERS_ARCHS:
+                problems.append(f"expert {name!r}: attention_backend is a diffusers option; {spec.arch!r} is a "
+                                f"transformers model")
+        if self.cache_size_problem:
+            problems.append(self.cache_size_problem)
         if problems:
             raise ValueError("invalid model card:\n  - " + "\n  - ".join(problems))
 
@@ -175,6 +188,10 @@ class ModelCard(nn.Module):
                 model.enable_gradient_checkpointing()
             elif spec.gradient_checkpointing:
                 model.gradient_checkpointing_enable()
+            if spec.attention_backend is not None:
+                model.set_attention_backend(spec.attention_backend)
+            if spec.compile:
+                model.compile()
             self.models[name] = model
             if not spec.trainable:
                 freeze(model)

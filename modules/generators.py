@@ -114,15 +114,16 @@ class WanT2V(GeneratorAdapter):
 
 @torch.no_grad()
 def umt5_embeds(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
-    """(B, L, D) float32 last hidden states, zero after each prompt's tokens (``WanPipeline._get_t5_prompt_embeds``:
-    the prompt cleaned, padded to ``text_max_length``, special tokens added)."""
+    """(B, L, D) last hidden states in the encoder's dtype, zero after each prompt's tokens
+    (``WanPipeline._get_t5_prompt_embeds``: the prompt cleaned, padded to ``text_max_length``, special tokens
+    added)."""
     tokenizer, model = card.tokenizers[encoder], card[encoder]
     tokens = tokenizer([prompt_clean(p) for p in prompts], padding="max_length", max_length=card.text_max_length,
                        truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
     device = next(model.parameters()).device
     ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
     hidden = model(ids, mask).last_hidden_state
-    return (hidden * mask.unsqueeze(-1).to(hidden.dtype)).float()
+    return hidden * mask.unsqueeze(-1).to(hidden.dtype)
 
 
 _WAN_T2V = WanT2V()

@@ -94,6 +94,7 @@ _TRANSFORMERS = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),
 }
 TEXT_ENCODERS = ("umt5", "t5")
+DIFFUSERS_ARCHS = tuple(_DIFFUSERS)
 # Tiny presets that carry trained weights (made here from the synthetic data, no download):
 # scripts/train_tiny_vae.py trained this VAE for 3000 steps on the shape videos (7 minutes on a CPU).
 TRAINED_ASSETS = {"wan_vae": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_wan_vae")}

@@ -142,3 +142,31 @@ def test_a_leak_hidden_from_the_graph_is_caught_after_the_backward():
     module.configure_model()
     with pytest.raises(GradientLeakError, match=r"meant for \['transformer'\] wrote gradients into \['critic'\]"):
         quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+
+
+def test_float16_mixed_precision_is_refused_with_the_fix():
+    from posttrain.lit.finetune import Finetune
+
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = Finetune(wan_card(), run=SIZE)
+    float16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # what `16-mixed` is on a GPU
+    with pytest.raises(ValueError, match=r"precision=16-mixed.*use `precision: bf16-mixed`"):
+        quick_trainer(max_steps=1, plugins=[float16]).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+
+
+def test_embedding_cache_size_and_host_rows():
+    """`cache_size` bounds the rows kept (least recently used go first); `cache_device: cpu` keeps them in host
+    memory; rows keep the encoder's dtype."""
+    from posttrain.modules.generators import GeneratorStage
+
+    card = wan_card(cache_size=2, cache_device="cpu")
+    card.build()
+    stage = GeneratorStage(card)
+    stage.condition(["a", "b", "c"])
+    assert len(card.cache) == 2 and card.cache.misses == 3
+    assert all(row.device.type == "cpu" and row.dtype == torch.float32 for row in card.cache._store.values())
+    with pytest.raises(ValueError, match="cache_size=0 must be >= 1"):
+        wan_card(cache_size=0)
+    with pytest.raises(ValueError, match="attention_backend is a diffusers option"):
+        wan_card(extra={"text_encoder": Expert(arch="umt5", attention_backend="flash")})
