@@ -1,7 +1,10 @@
 """Prompt refiners: a causal LM samples a refinement of each prompt, with token log-probabilities.
 
-The refiner policy is the LM's next-token distribution restricted to the ByT5 byte tokens (ids 3…258,
-byte + 3) plus EOS, at a temperature: a random tiny LM then still emits valid text, and the sampled
+The refiner policy is the LM's next-token distribution restricted to the ByT5 tokens of printable ASCII
+(bytes 0x20…0x7E, ids 35…129, id = byte + 3) plus EOS, at a temperature. Each such token is one whole
+UTF-8 character, so the decoded text re-encodes to exactly the tokens trained on (a byte above 0x7F
+can start an invalid sequence, which the decoder drops: the reward would score other text than the
+policy emitted). A random tiny LM then still emits valid text, and the sampled
 log-probabilities and their recompute with gradient see the *same* distribution. The LM is prompted
 chat-free: the context is ``template.format(prompt=...)`` (default ``"{prompt}\\n"``), left-padded to
 the longest prompt of the batch; the completion ends at the first EOS (kept, it is an action) and is
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-BYTE_TOKENS = (3, 258)  # ByT5: id = byte + 3, bytes 0…255
+BYTE_TOKENS = (0x20 + 3, 0x7E + 3)  # ByT5: id = byte + 3; printable ASCII, one character per token
 PAD_ID, EOS_ID = 0, 1
 DEFAULT_TEMPLATE = "{prompt}\n"
 
@@ -143,7 +146,7 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
 
 
 def decode_completion(tokenizer, token_ids: list[int], eos_id: int = EOS_ID) -> str:
-    """Text of a completion up to (not including) its first EOS; invalid UTF-8 bytes are dropped."""
+    """Text of a completion up to (not including) its first EOS (printable ASCII: one character a token)."""
     if eos_id in token_ids:
         token_ids = token_ids[: token_ids.index(eos_id)]
     return tokenizer.decode(token_ids, skip_special_tokens=True)

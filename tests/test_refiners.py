@@ -76,11 +76,12 @@ def test_compose_prompt_in_order_skipping_empty():
     assert compose_prompt("a red circle", []) == "a red circle"
 
 
-def test_allowed_tokens_are_bytes_and_eos():
+def test_allowed_tokens_are_printable_ascii_and_eos():
+    """95 printable ASCII bytes (0x20…0x7E, ids 35…129) and EOS; no control byte, no byte above 0x7F."""
     allowed = allowed_tokens(384)
-    assert allowed.sum().item() == 256 + 1
-    assert allowed[EOS_ID] and allowed[3] and allowed[258]
-    assert not allowed[PAD_ID] and not allowed[2] and not allowed[259]
+    assert allowed.sum().item() == 95 + 1
+    assert allowed[EOS_ID] and allowed[3 + ord(" ")] and allowed[3 + ord("~")]
+    assert not allowed[PAD_ID] and not allowed[2] and not allowed[3 + ord("\n")] and not allowed[3 + 0x80]
     with pytest.raises(ValueError, match="byte_tokens"):
         allowed_tokens(100)
 
@@ -104,6 +105,10 @@ def test_sampling_emits_only_bytes_and_is_seeded(lm):
     assert allowed_tokens(384)[emitted].all()
     assert torch.equal(a.tokens, b.tokens) and a.texts == b.texts
     assert not torch.equal(a.tokens, c.tokens)
+    # the decoded text is exactly the tokens trained on: it re-encodes to them (nothing dropped)
+    for text, tokens, mask in zip(a.texts, a.tokens.tolist(), a.mask.tolist()):
+        emitted_row = [t for t, m in zip(tokens, mask) if m and t != EOS_ID]
+        assert tok(text, add_special_tokens=False).input_ids == emitted_row
 
 
 def test_eos_ends_a_completion_and_padding_is_masked(lm):
