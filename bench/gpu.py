@@ -39,10 +39,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from posttrain.modules.cards import Expert, ZeroConfig  # noqa: E402
+from posttrain.modules.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
+from posttrain.modules.conditioning import Conditioning  # noqa: E402
+from posttrain.modules.generators import ADAPTERS, GeneratorStage, VideoSize  # noqa: E402
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
-from posttrain.modules.rollout import ppo_step_loss, rollout, train_steps  # noqa: E402
-from posttrain.modules.samplers import FlowMatchSampler, wan_velocity  # noqa: E402
+from posttrain.modules.rollout import ppo_step_losses, rollout, train_steps  # noqa: E402
+from posttrain.modules.samplers import FlowMatchSampler  # noqa: E402
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B-Diffusers (transformer/config.json)
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -50,6 +52,10 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 TINY = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=64, ffn_dim=128,
             num_layers=2, rope_max_seq_len=32)
+# AutoencoderKLWan of Wan2.1-T2V-1.3B-Diffusers (vae/config.json), and a small one for --tiny
+WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+WAN = ADAPTERS["wan_t2v"]  # the package's Wan call: what every method runs
 # dense bf16 peak, TFLOP/s (vendor datasheets, without sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
                "L40": 181.0, "A10": 125.0, "4090": 165.0, "B200": 2250.0}
@@ -117,12 +123,13 @@ def timed(device: Device, fn: Callable[[], Any], iterations: int, warmup: int = 
     return times
 
 
-def forward_flops(model: torch.nn.Module, inputs: dict, autocast: contextlib.AbstractContextManager) -> int:
+def forward_flops(model: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                  autocast: contextlib.AbstractContextManager) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), autocast, counter:
-        model(**inputs)
+        WAN.velocity(model, x, timestep, cond)
     return counter.get_total_flops()
 
 
@@ -152,13 +159,19 @@ def build_plain(config: dict, device: Device, checkpointing: bool) -> torch.nn.M
     return model.train()
 
 
-def finetune_batch(s: dict, device: Device, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+def finetune_batch(s: dict, device: Device, g: torch.Generator) -> tuple[Any, ...]:
+    """Clean latents, noise, text conditioning (random UMT5-sized rows) and σ of one finetune batch."""
     shape = latent_shape(s["frames"], s["height"], s["width"])
     x0 = torch.randn((s["batch"], *shape), generator=g).to(device.name)
     noise = torch.randn(x0.shape, generator=g).to(device.name)
-    cond = torch.randn((s["batch"], s["text_len"], s["config"]["text_dim"]), generator=g).to(device.name)
+    cond = Conditioning(encoder_hidden_states=torch.randn((s["batch"], s["text_len"], s["config"]["text_dim"]),
+                                                          generator=g).to(device.name))
     sigma = sample_sigmas(s["batch"], "logit_normal", g).to(device.name)
     return x0, noise, cond, sigma
+
+
+def timestep_of(sigma: torch.Tensor) -> torch.Tensor:
+    return FlowMatchSampler().timestep_of(sigma)  # σ·1000, as the methods feed the transformer
 
 
 def autocast(device: Device, enabled: bool = True):
@@ -172,12 +185,11 @@ def finetune_plain(s: dict, device: Device, checkpointing: bool, peak_tflops: Op
     model = build_plain(s["config"], device, checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device.cuda or None)
     g = torch.Generator().manual_seed(0)
-    velocity = wan_velocity(model)
 
     def step():
         x0, noise, cond, sigma = finetune_batch(s, device, g)
         with autocast(device):
-            v = velocity(noised(x0, noise, sigma), sigma, cond)
+            v = WAN.velocity(model, noised(x0, noise, sigma), timestep_of(sigma), cond)
         loss = flow_matching_loss(v, x0, noise)[0].mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -187,8 +199,7 @@ def finetune_plain(s: dict, device: Device, checkpointing: bool, peak_tflops: Op
     times = timed(device, step, s["iterations"])
     peak, how = device.peak_bytes(model)
     x0, noise, cond, sigma = finetune_batch(s, device, g)
-    flops = 3 * forward_flops(model, dict(hidden_states=noised(x0, noise, sigma), timestep=sigma * 1000,
-                                          encoder_hidden_states=cond, return_dict=False), autocast(device))
+    flops = 3 * forward_flops(model, noised(x0, noise, sigma), timestep_of(sigma), cond, autocast(device))
     seconds = sorted(times)[len(times) // 2]
     result = dict(seconds_per_iteration=seconds, times=times, peak_bytes=peak, peak_kind=how,
                   model_tflops_per_iteration=flops / 1e12,
@@ -223,11 +234,10 @@ def finetune_zero3(s: dict, device: Device, offload: bool, checkpointing: bool,
     engine, *_ = deepspeed.initialize(model=model, optimizer=spec.optimizer(model.parameters()),
                                       config=deepspeed_config(spec, model))
     g = torch.Generator().manual_seed(0)
-    velocity = wan_velocity(engine)
 
     def step():
         x0, noise, cond, sigma = finetune_batch(s, device, g)
-        v = velocity(noised(x0, noise, sigma), sigma, cond)
+        v = WAN.velocity(engine, noised(x0, noise, sigma), timestep_of(sigma), cond)
         loss = flow_matching_loss(v, x0, noise)[0].mean()
         engine.backward(loss)
         engine.step()
@@ -259,13 +269,13 @@ def estimate_bytes(spec: Expert, s: dict) -> tuple[int, int, int]:
         expert.update(sharded=True, zero={"stage": spec.zero.stage, "precision": spec.zero.precision,
                                           "offload_optimizer": spec.zero.offload_optimizer,
                                           "offload_params": spec.zero.offload_params})
-    text = {"arch": "umt5", "preset": {"d_model": s["config"]["text_dim"]}}
+    text = {"arch": "umt5", "preset": {"d_model": s["config"]["text_dim"]}}  # what the estimate needs of it
     cfg = {"trainer": {"devices": 1},
            "model": {"class_path": "posttrain.lit.finetune.Finetune",
                      "init_args": {"card": {"experts": {"text_encoder": text, "vae": {"arch": "wan_vae"},
                                                         "transformer": expert},
                                             "text_max_length": s["text_len"]},
-                                   "frames": s["frames"], "height": s["height"], "width": s["width"]}},
+                                   "run": {"frames": s["frames"], "height": s["height"], "width": s["width"]}}},
            "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
                     "init_args": {"batch_size": s["batch"]}}}
     with tempfile.TemporaryDirectory() as folder:
@@ -278,44 +288,51 @@ def estimate_bytes(spec: Expert, s: dict) -> tuple[int, int, int]:
 
 # ---------------------------------------------------------------------- 2. flow_grpo, K = 8
 def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, decode: bool = True) -> dict:
-    """One prompt's group of K: SDE rollout (one batched forward per step, log p captured), VAE decoding,
-    PPO-clip update on half the SDE steps (one graph, one backward, one optimizer step)."""
-    from diffusers import AutoencoderKLWan
-
-    from posttrain.modules import vae as vae_codec
-
+    """One prompt's group of K through a card and its generator stage, as flow_grpo runs it: SDE rollout (one
+    batched forward per step, log p captured), VAE decoding, PPO-clip update on half the SDE steps (each
+    step's loss backed up before the next, one optimizer step)."""
     device.reset_peak()
-    model = build_plain(s["config"], device, checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device.cuda or None)
-    sampler = FlowMatchSampler(num_steps=s["rl_steps"], shift=3.0)
-    shape = latent_shape(s["rl_frames"], s["rl_height"], s["rl_width"])
+    tiny = s["config"] is TINY
+    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
+    card = ModelCard(experts={
+        "text_encoder": Expert(arch="umt5", preset=text),
+        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype="bfloat16"),
+        "transformer": Expert(arch="wan_t2v", preset=dict(s["config"]), trainable=True, grad_clip=1.0,
+                              optimizer=functools.partial(torch.optim.AdamW, lr=1e-5, weight_decay=0.0),
+                              gradient_checkpointing=checkpointing),
+    }, text_max_length=s["text_len"])
+    with torch.device(device.name):
+        card.build()
+    card.to(device.name)
+    stage = GeneratorStage(card)
+    model = card["transformer"]
+    optimizer = torch.optim.AdamW(card.parameters_of("transformer"), lr=1e-5, weight_decay=0.0,
+                                  fused=device.cuda or None)
+    sampler = FlowMatchSampler(num_steps=s["rl_steps"])
+    shape = stage.latent_shape(VideoSize(s["rl_frames"], s["rl_height"], s["rl_width"]))
     g = torch.Generator().manual_seed(0)
-    cond = torch.randn((1, s["text_len"], s["config"]["text_dim"]), generator=g).to(device.name).expand(K, -1, -1)
-    vae = None
-    if decode:
-        with torch.device(device.name):  # the Wan 2.1 VAE architecture (diffusers' defaults), random weights
-            vae = AutoencoderKLWan() if not s["config"] is TINY else AutoencoderKLWan(base_dim=16, num_res_blocks=1)
-        vae = vae.to(torch.bfloat16).eval().requires_grad_(False)
+    cond = stage.condition(["a red circle moving left on a blue background"] * K, torch.device(device.name))
     parts: dict[str, list[float]] = {"rollout": [], "decode": [], "update": []}
 
     def iteration():
         start = time.perf_counter()
         with autocast(device):
-            traj = rollout(sampler, model, cond, shape, g)
+            traj = rollout(stage, sampler, cond, shape, g)
         device.sync()
         parts["rollout"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        if vae is not None:
+        if decode:
             with torch.no_grad():
-                vae_codec.decode(vae, traj.latents)
+                stage.decode(traj.latents)
         device.sync()
         parts["decode"].append(time.perf_counter() - start)
         start = time.perf_counter()
         advantages = torch.randn(K, generator=g).to(device.name)
         steps = train_steps(sampler, 0.5, g)
-        with autocast(device):
-            loss, _ = ppo_step_loss(sampler, model, None, traj, steps, cond, advantages, clip_range=0.2, kl_beta=0.0)
-        loss.backward()
+        for loss in ppo_step_losses(stage, sampler, traj, steps, cond, advantages, clip_range=0.2, kl_beta=0.0):
+            with autocast(device):
+                value = loss()
+            value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -331,7 +348,7 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     result = dict(K=K, sde_steps=s["rl_steps"], trained_steps=math.ceil(0.5 * s["rl_steps"]),
                   video=f"{s['rl_frames']}x{s['rl_height']}x{s['rl_width']}", seconds=median,
                   seconds_per_iteration=sum(median.values()), peak_bytes=peak, peak_kind=how)
-    del model, optimizer, vae
+    del card, stage, model, optimizer
     return result
 
 

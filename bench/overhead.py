@@ -31,8 +31,6 @@ from lightning.pytorch import Callback  # noqa: E402
 from posttrain.lit.cli import PosttrainCLI  # noqa: E402
 from posttrain.modules import vae as vae_codec  # noqa: E402
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
-from posttrain.modules.samplers import wan_velocity  # noqa: E402
-from posttrain.modules.text import encode_prompts  # noqa: E402
 from timing import Blocks, compare  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "finetune.yaml")
@@ -58,6 +56,14 @@ class PlainLoop:
         self.loader = self.data.train_dataloader()
         self.batches = iter(self.loader)
 
+    @torch.no_grad()
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """UMT5 hidden states, zero after each prompt's tokens (as WanPipeline encodes)."""
+        tokens = self.card.tokenizers["text_encoder"](prompts, padding="max_length", truncation=True,
+                                                      max_length=self.card.text_max_length, return_tensors="pt")
+        hidden = self.encoder(tokens.input_ids, tokens.attention_mask).last_hidden_state
+        return hidden * tokens.attention_mask.unsqueeze(-1).to(hidden.dtype)
+
     def step(self) -> None:
         batch = next(self.batches, None)
         if batch is None:  # next epoch, as the Trainer does
@@ -70,13 +76,12 @@ class PlainLoop:
             prompts = ["" if d else p for p, d in zip(batch["prompt"], drop.tolist())]
             missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
             if missing:
-                rows = encode_prompts(self.card.tokenizers["text_encoder"], self.encoder, missing,
-                                      self.card.text_max_length)
-                self.cache.update(zip(missing, rows))
+                self.cache.update(zip(missing, self.encode_text(missing)))
             cond = torch.stack([self.cache[p] for p in prompts])
         sigma = sample_sigmas(x0.shape[0], m.sigma_sampling, self.generator, m.shift, m.logit_mean, m.logit_std)
         noise = torch.randn(x0.shape, generator=self.generator)
-        v = wan_velocity(self.transformer)(noised(x0, noise, sigma), sigma, cond)
+        v = self.transformer(hidden_states=noised(x0, noise, sigma), timestep=sigma * 1000,
+                             encoder_hidden_states=cond, return_dict=False)[0]
         loss = flow_matching_loss(v, x0, noise)[0].mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.transformer.parameters(), 1.0)
@@ -126,7 +131,7 @@ class Interleave(Callback):
 def fit_args(iterations: int, batch_size: int, workdir: str, progress_bar: bool) -> list[str]:
     return ["--config", CONFIG, f"--trainer.max_steps={iterations}", "--trainer.val_check_interval=100000",
             "--trainer.limit_val_batches=0", f"--trainer.enable_progress_bar={str(progress_bar).lower()}",
-            f"--trainer.logger.init_args.save_dir={workdir}", f"--data.init_args.batch_size={batch_size}",
+            f"--trainer.default_root_dir={workdir}", f"--data.init_args.batch_size={batch_size}",
             "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"]
 
 

@@ -27,10 +27,10 @@ import torch
 
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from posttrain.modules import vae as vae_codec
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.generators import GeneratorStage, VideoSize
 from posttrain.modules.rollout import rollout
-from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
+from posttrain.modules.samplers import FlowMatchSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import compare, interleave  # noqa: E402
@@ -40,18 +40,14 @@ PROMPT = "a red circle moving left on a blue background"
 GOAL_K8 = 6.0
 
 
-class TimedTransformer(torch.nn.Module):
-    """The transformer with its forward's process time summed (to split a rollout into forward and the rest)."""
+class ForwardTimer:
+    """Sums the process time of a module's forwards (hooks), to split a rollout into forward and the rest."""
 
     def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module, self.seconds = module, 0.0
-
-    def forward(self, *args, **kwargs):
-        start = time.process_time()
-        out = self.module(*args, **kwargs)
-        self.seconds += time.process_time() - start
-        return out
+        self.seconds, self._start = 0.0, 0.0
+        module.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.process_time()))
+        module.register_forward_hook(lambda *_: setattr(self, "seconds", self.seconds + time.process_time()
+                                                        - self._start))
 
 
 def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, steps: int) -> None:
@@ -59,22 +55,23 @@ def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, ste
     card = ModelCard(experts={"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
                               "transformer": Expert(arch="wan_t2v")})
     card.build()
+    stage = GeneratorStage(card)
     sampler = FlowMatchSampler(num_steps=steps)
-    shape = vae_codec.latent_shape(card["vae"], frames, size, size)
-    transformer = TimedTransformer(card["transformer"])
+    shape = stage.latent_shape(VideoSize(frames, size, size))
+    timer = ForwardTimer(card["transformer"])
     print(f"[group rollout] Wan tiny preset, video {frames}x{size}x{size} -> latents {shape}, {steps} SDE steps, "
           f"torch threads {torch.get_num_threads()}; {blocks} sequential blocks between {blocks + 1} batched blocks")
     for K in group_sizes:
-        cond = card.prompt_embeds([PROMPT] * K)
+        cond = stage.condition([PROMPT] * K)
         seeds = iter(range(10**6))
 
         def batched():
-            rollout(sampler, transformer, cond, shape, torch.Generator().manual_seed(next(seeds)))
+            rollout(stage, sampler, cond, shape, torch.Generator().manual_seed(next(seeds)))
 
         def sequential():
             g = torch.Generator().manual_seed(next(seeds))
             for k in range(K):
-                rollout(sampler, transformer, cond[k:k + 1], shape, g)
+                rollout(stage, sampler, cond.select(slice(k, k + 1)), shape, g)
 
         result = interleave(batched, sequential, blocks=blocks, per_block=1, names=("batched", "sequential"))
         c = compare(result, goal=GOAL_K8 if K == 8 else None, higher_is_better=True, per="group",
@@ -83,18 +80,19 @@ def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, ste
         print(c.report())
 
         # where a batched rollout's time goes: the forward of K rows, and the rest of each step
-        transformer.seconds = 0.0
+        timer.seconds = 0.0
         start = time.process_time()
         for _ in range(blocks):
             batched()
         total = time.process_time() - start
-        forward = transformer.seconds
+        forward = timer.seconds
         x = torch.randn((K, *shape))
-        sigma = torch.full((K,), 0.5)
-        fn = wan_velocity(card["transformer"])
-        forwards = interleave(lambda: fn(x, sigma, cond), lambda: [fn(x[k:k + 1], sigma[k:k + 1], cond[k:k + 1])
-                                                                     for k in range(K)],
-                              blocks=blocks, per_block=steps, names=(f"forward of {K} rows", f"{K} forwards of 1 row"))
+        t = sampler.timestep_of(torch.full((K,), 0.5))
+        with torch.no_grad(), stage.velocity() as fn:
+            forwards = interleave(lambda: fn(x, t, cond),
+                                  lambda: [fn(x[k:k + 1], t[k:k + 1], cond.select(slice(k, k + 1))) for k in range(K)],
+                                  blocks=blocks, per_block=steps,
+                                  names=(f"forward of {K} rows", f"{K} forwards of 1 row"))
         f = compare(forwards, higher_is_better=True, per="forward",
                     ratio_name=f"forward speed-up K={K} (K x 1 row / K rows)")
         per_step = (total - forward) / (blocks * steps)

@@ -51,7 +51,8 @@ GIB = 2**30
 
 # per architecture: the config key(s) that count identical layers (activations are traced with 1 and 2)
 LAYER_KEYS: dict[str, tuple[str, ...]] = {
-    "wan_t2v": ("num_layers",), "wan_i2v": ("num_layers",), "qwen2": ("num_hidden_layers",),
+    "wan_t2v": ("num_layers",), "wan_i2v": ("num_layers",), "wan_t2v_causal": ("num_layers",),
+    "qwen2": ("num_hidden_layers",),
 }
 
 
@@ -203,7 +204,10 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             spec = card.specs.get(c.name)
             if spec is None or not spec.trainable:
                 continue
-            c.activation_bytes, note = activation_bytes(spec, card, method, rows, cast, autocast)
+            try:
+                c.activation_bytes, note = activation_bytes(spec, card, method, rows, cast, autocast)
+            except Exception as err:  # an architecture the trace cannot run: say so, keep the rest
+                c.activation_bytes, note = None, f"activations not estimated ({type(err).__name__}: {err})"
             if note:
                 c.notes.append(note)
     if autocast is not None:
@@ -469,12 +473,7 @@ def activation_rows(method, data_batch: int) -> tuple[int, str]:
     if cfg:
         rows *= 2
         text += " x 2 (CFG)"
-    steps = ""
-    fraction = getattr(method, "timestep_fraction", None)
-    if fraction is not None:
-        n = int(method.sampler.sde_steps().sum())
-        steps = f"; x {max(1, math.ceil(fraction * n))} trained steps if one graph holds them all"
-    return rows, f"{rows} rows ({text}) per training forward of one step{steps}"
+    return rows, f"{rows} rows ({text}) per training forward of one step (each backed up before the next)"
 
 
 @contextlib.contextmanager
@@ -522,6 +521,7 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
     """Distinct non-parameter storages saved for backward by one forward, traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    shapes = _input_shapes(spec.arch, config, card, method, rows)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
     if spec.sharded:  # the engine's precision; Lightning's does not apply
         dtype, autocast = (torch.bfloat16 if spec.zero.precision == "bf16" else torch.float32), None
@@ -540,7 +540,7 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
             else:
                 model.gradient_checkpointing_enable()
         model.train()
-        inputs = _inputs(spec.arch, model, card, method, rows, dtype)
+        inputs = _inputs(shapes, dtype)
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         saved: dict[int, int] = {}
 
@@ -556,20 +556,29 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
     return sum(saved.values())
 
 
-def _inputs(arch: str, model: nn.Module, card: ModelCard, method, rows: int, dtype: torch.dtype) -> dict:
-    if arch in ("wan_t2v", "wan_i2v"):
-        from posttrain.modules import vae as vae_codec
-
-        vae = card.models["vae"] if "vae" in card.models else None
-        if vae is None:
+def _input_shapes(arch: str, config: dict, card: ModelCard, method, rows: int) -> dict[str, tuple]:
+    """Shapes of one training forward's inputs (from the meta card; no tensor is made here)."""
+    if arch in ("wan_t2v", "wan_i2v", "wan_t2v_causal"):
+        if "vae" not in card.models:
             raise ValueError("estimate: the generator's latent size needs the card's `vae`")
-        c, f, h, w = vae_codec.latent_shape(vae, method.frames, method.height, method.width)
-        c = model.config.in_channels
-        return dict(hidden_states=torch.randn(rows, c, f, h, w, dtype=dtype),
-                    timestep=torch.full((rows,), 500.0),
-                    encoder_hidden_states=torch.randn(rows, card.text_max_length, model.config.text_dim, dtype=dtype),
-                    return_dict=False)
+        _, f, h, w = method.stage.latent_shape(method.video)
+        return dict(hidden_states=(rows, config["in_channels"], f, h, w), timestep=(rows,),
+                    encoder_hidden_states=(rows, card.text_max_length, config["text_dim"]))
     if arch == "qwen2":
-        length = card.text_max_length + getattr(method, "max_new_tokens", 0)
-        return dict(input_ids=torch.zeros(rows, length, dtype=torch.long))
+        return dict(input_ids=(rows, card.text_max_length + getattr(method, "max_new_tokens", 0)))
     raise ValueError(f"no activation inputs for arch {arch!r}")
+
+
+def _inputs(shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
+    """Tensors of ``shapes`` (fake ones inside ``FakeTensorMode``): floats in ``dtype``, ids, timesteps."""
+    inputs: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        if name == "input_ids":
+            inputs[name] = torch.zeros(shape, dtype=torch.long)
+        elif name == "timestep":
+            inputs[name] = torch.full(shape, 500.0)
+        else:
+            inputs[name] = torch.randn(shape, dtype=dtype)
+    if "hidden_states" in inputs:
+        inputs["return_dict"] = False
+    return inputs

@@ -142,7 +142,7 @@ def finetune_logged(monkeypatch, gate: bool, iterations: int = 12, every: int = 
     if not gate:
         monkeypatch.setattr(ExpertModule, "log_due", property(lambda self: True))
     torch.manual_seed(0)
-    module = Finetune(wan_card(), ema_decay=0.9, seed=0)
+    module = Finetune(wan_card(), ema_decay=0.9)
     recorder = Recorder()
     trainer = quick_trainer(max_steps=iterations, logger=recorder, log_every_n_steps=every, callbacks=[Sporadic()])
     trainer.fit(module, SyntheticVideos(num_samples=32, batch_size=2))

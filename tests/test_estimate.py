@@ -82,13 +82,14 @@ def test_activation_estimate_matches_a_real_forward(tmp_path):
     result = estimate(path)
     estimated = result["transformer"].activation_bytes
 
-    from posttrain.lit.estimate import _instantiate_model, _parse
+    from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
 
     method = _instantiate_model(_parse(path), path)
     card = method.card
-    card.models["vae"] = meta_model(card.specs["vae"])
+    for name in ("vae", "transformer"):
+        card.models[name] = meta_model(card.specs[name])
     model = presets.build_model("wan_t2v", preset=preset).train()
-    inputs = _inputs("wan_t2v", model, card, method, rows=2, dtype=torch.float32)
+    inputs = _inputs(_input_shapes("wan_t2v", dict(model.config), card, method, rows=2), torch.float32)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
