@@ -206,7 +206,6 @@ def finetune_plain(s: dict, device: Device, checkpointing: bool, peak_tflops: Op
                   params=sum(p.numel() for p in model.parameters()))
     if peak_tflops:
         result["mfu"] = flops / seconds / (peak_tflops * 1e12)
-    del model, optimizer
     return result
 
 
@@ -248,7 +247,6 @@ def finetune_zero3(s: dict, device: Device, offload: bool, checkpointing: bool,
     result = dict(seconds_per_iteration=seconds, times=times, peak_bytes=peak, peak_kind=how)
     result["estimate_bytes"], result["estimate_model_state_bytes"], result["estimate_host_bytes"] = \
         estimate_bytes(spec, s)
-    del engine, model
     return result
 
 
@@ -348,7 +346,6 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     result = dict(K=K, sde_steps=s["rl_steps"], trained_steps=math.ceil(0.5 * s["rl_steps"]),
                   video=f"{s['rl_frames']}x{s['rl_height']}x{s['rl_width']}", seconds=median,
                   seconds_per_iteration=sum(median.values()), peak_bytes=peak, peak_kind=how)
-    del card, stage, model, optimizer
     return result
 
 

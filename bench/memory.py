@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 import warnings
 
 import sys

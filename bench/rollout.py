@@ -143,7 +143,7 @@ def bench_cache(iterations: int) -> None:
         h1, m1 = counts.rows[end - 1]
         print(f"  iterations {start + 1:3d}-{end:3d}: hit rate {(h1 - h0) / max(h1 - h0 + m1 - m0, 1):.3f} "
               f"({h1 - h0} hits, {m1 - m0} misses)")
-    print(f"  versions: " + ", ".join(f"{n}={v}" for n, v in model.card.versions.items() if "reference" not in n))
+    print("  versions: " + ", ".join(f"{n}={v}" for n, v in model.card.versions.items() if "reference" not in n))
 
 
 def main() -> None:
