@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningDataModule
@@ -76,10 +76,15 @@ class PosttrainCLI(LightningCLI):
         # one video size: a video datamodule takes the method's (datamodules without the option are left alone)
         for key in ("frames", "height", "width"):
             parser.link_arguments(f"model.init_args.run.{key}", f"data.init_args.{key}")
+        parser.add_argument("--preset", type=Optional[Literal["tiny"]], default=None,
+                            help="tiny: run a real-model recipe at the embedded default's size — every expert from "
+                                 "its tiny preset (no weights read), one CPU process, the default video size")
 
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")  # None when built with run=False
         config = self.config[subcommand] if subcommand else self.config
+        if config.get("preset") == "tiny":
+            apply_tiny_preset(config)
         derive_run_folder(config.trainer, subcommand or "fit", config.get("ckpt_path"))
 
     def instantiate_trainer(self, **kwargs: Any):
@@ -90,6 +95,37 @@ class PosttrainCLI(LightningCLI):
         if config.get("enable_model_summary", True) is not False:
             extra.append(ExpertSummary())
         return self._instantiate_trainer(config, extra)
+
+
+# ---------------------------------------------------------------------- --preset tiny
+def apply_tiny_preset(config) -> None:
+    """A recipe at the embedded default's size: every expert from its tiny preset (the sources, dtypes,
+    attention backends and offloading of real weights dropped; LoRA, sharding stage and roles kept), one CPU
+    process, the default video size and text length. The method, its settings and the data stay."""
+    from posttrain.lit.base import RunArgs
+
+    def args(ns):  # a class given as {class_path, init_args} or as its arguments
+        return ns.init_args if "init_args" in ns else ns
+
+    def assign(ns, **values):
+        for key, value in values.items():
+            setattr(ns, key, value)
+
+    card = args(config.model.init_args.card)
+    experts = list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])
+    for expert in map(args, experts):
+        assign(expert, pretrained=None, subfolder=None, tokenizer=None, preset={}, dtype="float32",
+               attention_backend=None, compile=False)
+        if expert.get("zero") is not None:
+            assign(args(expert.zero), offload_optimizer=False, offload_params=False, precision="fp32")
+    card.text_max_length = min(card.get("text_max_length") or 64, 64)
+    run = config.model.init_args.get("run")
+    if run is not None:
+        default = RunArgs()
+        assign(args(run), frames=default.frames, height=default.height, width=default.width)
+    assign(config.trainer, accelerator="cpu", devices=1, num_nodes=1, precision="32-true")
+    if isinstance(config.trainer.get("strategy"), str):
+        config.trainer.strategy = "auto"
 
 
 # ---------------------------------------------------------------------- one run folder, W&B runs
@@ -153,7 +189,6 @@ NOISE = (
     re.compile(r"^\s*Given value:"),
     re.compile(r"^\s*-?\s*Expected a <class 'NoneType'>"),
     re.compile(r"^\s*-?\s*Expected a path but .* either not accessible or invalid"),
-    re.compile(r"^\s*-?\s*Expected a dot import path string"),
     re.compile(r"^\s*-?\s*Problem with given class_path '.*':\s*$"),
     re.compile(r"^\s*-?\s*Not a valid subclass of "),
     re.compile(r"^\s*-?\s*Import path .* does not"),
@@ -175,6 +210,11 @@ def condense(message: str) -> str:
             continue
         if any(p.match(line) for p in NOISE):
             continue
+        unknown_class = re.match(r"^\s*-?\s*Expected a dot import path string: (\S+)", line)
+        if unknown_class:
+            name = unknown_class.group(1)
+            line = (f"class_path {name!r} is not a class posttrain knows by that name: give its full import path "
+                    f"(e.g. `diffusers.{name}`, `torch.optim.{name}`, `posttrain.modules.rewards.{name}`)")
         lines.append(line.strip().lstrip("- ").strip())
     seen, kept = set(), []
     for line in lines:

@@ -74,6 +74,10 @@ class ShardedExpertsStrategy(DDPStrategy):
         super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
         import deepspeed
 
+        if self.root_device.type == "cpu":
+            # DeepSpeed's shared-memory all-reduce serves CPU *inference* only; skipping it avoids a JIT build
+            # of a C++ op at start-up (and the build lock a killed process leaves behind, which hangs the next)
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         # DeepSpeed reuses the process group Lightning made; no MPI discovery.
         deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), auto_mpi_discovery=False,
                                    dist_init_required=False, verbose=False)
