@@ -11,6 +11,10 @@ gathered ones), gradients (DDP buckets are the ``.grad`` views with ``gradient_a
 ZeRO's partition buffers) and optimizer state. Activations held by autograd are not Python objects
 and are not counted (inputs are tiny anyway).
 
+Step times come from a third process pair that holds both models and alternates blocks of DDP steps and
+ZeRO-3 steps (``timing.py``): the ratio is reported with its spread, or "too noisy". Memory figures come
+from the first two pairs, where each mode is alone in its processes.
+
     python bench/memory.py                       # 2 processes, CPU (from the repository root)
     python bench/memory.py --precision bf16      # ZeRO-3 in bf16 (fp32 master weights), DDP fp32
     python bench/memory.py --layers 4 --steps 2  # quicker
@@ -25,12 +29,16 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 import warnings
+
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import compare, interleave  # noqa: E402
 
 
 def live_bytes(model: torch.nn.Module) -> int:
@@ -70,47 +78,42 @@ def preset(layers: int, heads: int, head_dim: int) -> dict:
                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 
 
-def train(model, step_fn, peak: Peak, steps: int) -> float:
-    """Seconds per step over ``steps`` timed steps, after a warm-up step and a measured step."""
+def batch(model, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype)
+    cond = torch.randn(1, 16, 32, generator=g).to(dtype)
+    return x, cond
+
+
+def one_step(model, step_fn, g: torch.Generator, peak: "Peak") -> None:
+    x, cond = batch(model, g)
+    out = model(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=cond, return_dict=False)[0]
+    step_fn(out.float().pow(2).mean(), peak)
+
+
+def train(model, step_fn, peak: Peak) -> None:
+    """A warm-up step (it creates the optimizer state), then the measured step."""
     g = torch.Generator().manual_seed(dist.get_rank())
-    times = []
-    for i in range(steps + 2):
-        peak.on = i == 1  # step 0 creates the optimizer state; step 1 is the steady state
-        dtype = next(model.parameters()).dtype
-        x = torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype)
-        cond = torch.randn(1, 16, 32, generator=g).to(dtype)
+    for i in range(2):
+        peak.on = i == 1
         dist.barrier()
-        start = time.perf_counter()
-        out = model(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=cond,
-                    return_dict=False)[0]
-        step_fn(out.float().pow(2).mean(), peak)
-        if i > 1:
-            times.append(time.perf_counter() - start)
+        one_step(model, step_fn, g, peak)
         peak.sample()
-    return sum(times) / len(times)
+    peak.on = False
 
 
-def worker(rank: int, args, mode: str, out) -> None:
-    """One process of one phase (``ddp`` or ``zero3``); a fresh process pair per phase, so that nothing of
-    one phase is alive in the other's measurement."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def build(mode: str, args, precision: str):
+    """(wrapped model, model, step function) of ``ddp`` (full fp32 weights, gradients and AdamW state on every
+    process) or ``zero3`` (built partitioned: 1/2 of each per process)."""
     import deepspeed
     from diffusers import WanTransformer3DModel
 
     from posttrain.lit.strategy import deepspeed_config  # the configuration the strategy gives a sharded expert
     from posttrain.modules.cards import Expert, ZeroConfig
 
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False,
-                               verbose=False)
     config = preset(args.layers, args.heads, args.head_dim)
-    gc.collect()
-    base = live_bytes(torch.nn.Linear(1, 1))
     torch.manual_seed(0)
     if mode == "ddp":
-        # full weights, full gradients (the DDP buckets), full AdamW state on every process
         model = WanTransformer3DModel(**config)
         wrapped = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -120,27 +123,66 @@ def worker(rank: int, args, mode: str, out) -> None:
             peak.sample()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)  # keep the buckets, as a training loop does
-    else:
-        # built partitioned; 1/2 of weights, gradients and AdamW state per process
-        spec = Expert(arch="wan_t2v", trainable=True, optimizer=torch.optim.AdamW, sharded=True, grad_clip=None,
-                      zero=ZeroConfig(stage=3, precision=args.precision))
-        with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(spec)):
-            model = WanTransformer3DModel(**config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        wrapped, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec, model))
 
-        def step(loss, peak):
-            wrapped.backward(loss)
-            peak.sample()
-            wrapped.step()
+        return wrapped, model, step
+    spec = Expert(arch="wan_t2v", trainable=True, optimizer=torch.optim.AdamW, sharded=True, grad_clip=None,
+                  zero=ZeroConfig(stage=3, precision=precision))
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(spec)):
+        model = WanTransformer3DModel(**config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    wrapped, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec, model))
 
+    def step(loss, peak):
+        wrapped.backward(loss)
+        peak.sample()
+        wrapped.step()
+
+    return wrapped, model, step
+
+
+def setup_process(rank: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False,
+                               verbose=False)
+
+
+def worker(rank: int, args, mode: str, out) -> None:
+    """One process of one memory phase (``ddp`` or ``zero3``); a fresh process pair per phase, so that nothing
+    of one phase is alive in the other's measurement."""
+    setup_process(rank, args)
+    gc.collect()
+    base = live_bytes(torch.nn.Linear(1, 1))
+    wrapped, model, step = build(mode, args, args.precision)
     peak = Peak(model, model.blocks, base)
-    step_time = train(wrapped, step, peak, args.steps)
+    train(wrapped, step, peak)
     peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
     dist.all_gather(peaks, torch.tensor([float(peak.peak)], dtype=torch.float64))
     if rank == 0:
-        out.put({"peaks": [p.item() for p in peaks], "step_time": step_time,
+        out.put({"peaks": [p.item() for p in peaks],
                  "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timing_worker(rank: int, args, out) -> None:
+    """Both models in one process pair; blocks of DDP steps and ZeRO-3 steps alternate (rank 0's clock: every
+    step ends in collectives, so it includes waiting for rank 1)."""
+    setup_process(rank, args)
+    sides = {}
+    for mode in ("ddp", "zero3"):
+        wrapped, model, step = build(mode, args, args.precision)
+        peak = Peak(model, [], 0)
+        g = torch.Generator().manual_seed(rank)
+        sides[mode] = lambda w=wrapped, s=step, p=peak, g=g: one_step(w, s, g, p)
+    blocks = interleave(sides["ddp"], sides["zero3"], blocks=args.blocks, per_block=args.steps,
+                        names=("DDP fp32", f"ZeRO-3 {args.precision}"), warmup=2)
+    if rank == 0:
+        out.put(blocks)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -150,7 +192,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head_dim", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per timing block")
+    parser.add_argument("--blocks", type=int, default=7, help="ZeRO-3 timing blocks (DDP: one more)")
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="ZeRO-3 weights and gradients; DDP stays fp32 (what bf16-mixed DDP holds too)")
@@ -161,6 +204,9 @@ def main() -> None:
         out = ctx.SimpleQueue()
         mp.spawn(worker, args=(args, mode, out), nprocs=2, join=True)
         results[mode] = out.get()
+    out = ctx.SimpleQueue()
+    mp.spawn(timing_worker, args=(args, out), nprocs=2, join=True)
+    blocks = out.get()
     mib, n = 2**20, results["ddp"]["params"]
     print(f"Wan transformer preset: layers={args.layers} heads={args.heads} head_dim={args.head_dim} "
           f"({n / 1e6:.1f}M parameters, {4 * n / mib:.0f} MiB fp32); 2 processes, gloo, AdamW; "
@@ -170,8 +216,8 @@ def main() -> None:
               f"   ZeRO-3 {results['zero3']['peaks'][rank] / mib:8.1f} MiB")
     ratio = max(results["zero3"]["peaks"]) / max(results["ddp"]["peaks"])
     print(f"memory ratio ZeRO-3 / DDP (max over ranks): {ratio:.3f}  (goal <= 0.6)")
-    t_ddp, t_zero = results["ddp"]["step_time"], results["zero3"]["step_time"]
-    print(f"step time: DDP {t_ddp * 1e3:.0f} ms, ZeRO-3 {t_zero * 1e3:.0f} ms, ratio {t_zero / t_ddp:.2f}")
+    print(f"step time, {args.blocks} ZeRO-3 blocks between {args.blocks + 1} DDP blocks of {args.steps} steps (rank 0):")
+    print(compare(blocks, per="step", ratio_name="step time ZeRO-3/DDP").report())
 
 
 if __name__ == "__main__":

@@ -2,60 +2,107 @@
 
 1. A K-sample group rolled out as ONE batched forward per sampler step (what flow_grpo and joint_rl
    do: ``modules.rollout.rollout`` on B·K rows) vs K sequential rollouts of one row each, same
-   process, same weights, same SDE sampler; prints both times and their ratio.
+   process, same weights, same SDE sampler. The two alternate in blocks (``timing.py``); prints the
+   speed-up sequential/batched with its spread and a verdict (goal at K = 8: >= 6), and where the batched
+   rollout's time goes: the transformer forward of K rows, and everything else per step (SDE step,
+   log-probability, noise, capture), the forward's own speed-up (one forward of K rows against K
+   forwards of one row, also interleaved), and the bound the rollout would reach if all but the
+   forward were free.
 2. The prompt-embedding cache hit rate over a short joint_rl run built from ``configs/joint_rl.yaml``
    (no logger, no checkpoints): the frozen text encoder's cache is keyed by (component, version,
-   prompt hash), so generator and refiner updates never flush it.
+   prompt hash), so generator and refiner updates never flush it. Counts are deterministic.
 
-    python bench/rollout.py                    # K = 4, 8, 16, 9x32x32 video, 6 steps; 60 joint_rl iterations
-    python bench/rollout.py --iterations 120 --group-sizes 4 8 16 --repeats 9
+    OMP_NUM_THREADS=1 python bench/rollout.py     # K = 4, 8, 16, 9x32x32 video, 6 steps; 60 joint_rl iterations
+    python bench/rollout.py --group-sizes 8 --blocks 11 --iterations 0
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from posttrain.modules import vae as vae_codec
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.generators import GeneratorStage, VideoSize
 from posttrain.modules.rollout import rollout
 from posttrain.modules.samplers import FlowMatchSampler
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import compare, interleave  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red circle moving left on a blue background"
+GOAL_K8 = 6.0
 
 
-def bench_group(group_sizes: list[int], repeats: int, frames: int, size: int, steps: int) -> None:
+class ForwardTimer:
+    """Sums the process time of a module's forwards (hooks), to split a rollout into forward and the rest."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.seconds, self._start = 0.0, 0.0
+        module.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.process_time()))
+        module.register_forward_hook(lambda *_: setattr(self, "seconds", self.seconds + time.process_time()
+                                                        - self._start))
+
+
+def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, steps: int) -> None:
     seed_everything(0)
     card = ModelCard(experts={"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
                               "transformer": Expert(arch="wan_t2v")})
     card.build()
+    stage = GeneratorStage(card)
     sampler = FlowMatchSampler(num_steps=steps)
-    shape = vae_codec.latent_shape(card["vae"], frames, size, size)
+    shape = stage.latent_shape(VideoSize(frames, size, size))
+    timer = ForwardTimer(card["transformer"])
     print(f"[group rollout] Wan tiny preset, video {frames}x{size}x{size} -> latents {shape}, {steps} SDE steps, "
-          f"torch threads {torch.get_num_threads()}, median of {repeats}")
+          f"torch threads {torch.get_num_threads()}; {blocks} sequential blocks between {blocks + 1} batched blocks")
     for K in group_sizes:
-        cond = card.prompt_embeds([PROMPT] * K)
-        rollout(sampler, card["transformer"], cond, shape, torch.Generator().manual_seed(0))  # warm-up
-        batched, sequential = [], []
-        for r in range(repeats):
-            g = torch.Generator().manual_seed(r)
-            t = time.perf_counter()
-            rollout(sampler, card["transformer"], cond, shape, g)
-            batched.append(time.perf_counter() - t)
-            g = torch.Generator().manual_seed(r)
-            t = time.perf_counter()
+        cond = stage.condition([PROMPT] * K)
+        seeds = iter(range(10**6))
+
+        def batched():
+            rollout(stage, sampler, cond, shape, torch.Generator().manual_seed(next(seeds)))
+
+        def sequential():
+            g = torch.Generator().manual_seed(next(seeds))
             for k in range(K):
-                rollout(sampler, card["transformer"], cond[k:k + 1], shape, g)
-            sequential.append(time.perf_counter() - t)
-        b, s = statistics.median(batched), statistics.median(sequential)
-        print(f"  K={K:3d}: batched {b * 1e3:8.1f} ms ({steps} forwards of {K} rows)   "
-              f"sequential {s * 1e3:8.1f} ms ({K * steps} forwards of 1 row)   speed-up x{s / b:.2f}")
+                rollout(stage, sampler, cond.select(slice(k, k + 1)), shape, g)
+
+        result = interleave(batched, sequential, blocks=blocks, per_block=1, names=("batched", "sequential"))
+        c = compare(result, goal=GOAL_K8 if K == 8 else None, higher_is_better=True, per="group",
+                    ratio_name=f"speed-up K={K} (sequential/batched)")
+        print(f"  K={K}: one group = {steps} forwards of {K} rows (batched) or {K * steps} forwards of 1 row")
+        print(c.report())
+
+        # where a batched rollout's time goes: the forward of K rows, and the rest of each step
+        timer.seconds = 0.0
+        start = time.process_time()
+        for _ in range(blocks):
+            batched()
+        total = time.process_time() - start
+        forward = timer.seconds
+        x = torch.randn((K, *shape))
+        t = sampler.timestep_of(torch.full((K,), 0.5))
+        with torch.no_grad(), stage.velocity() as fn:
+            forwards = interleave(lambda: fn(x, t, cond),
+                                  lambda: [fn(x[k:k + 1], t[k:k + 1], cond.select(slice(k, k + 1))) for k in range(K)],
+                                  blocks=blocks, per_block=steps,
+                                  names=(f"forward of {K} rows", f"{K} forwards of 1 row"))
+        f = compare(forwards, higher_is_better=True, per="forward",
+                    ratio_name=f"forward speed-up K={K} (K x 1 row / K rows)")
+        per_step = (total - forward) / (blocks * steps)
+        print(f"  batched rollout, per step (process time): forward of {K} rows {forward / (blocks * steps) * 1e3:.2f} ms, "
+              f"everything else {per_step * 1e3:.2f} ms ({(total - forward) / total:.0%} of the rollout)")
+        print("  " + f.verdict("cpu"))
+        sequential_cpu = statistics.median(x.cpu for x in result.samples["sequential"])
+        print(f"  bound: with everything but the forward free in the batched rollout, the speed-up would be "
+              f"x{sequential_cpu / (forward / blocks):.2f} (sequential {sequential_cpu * 1e3:.1f} ms / "
+              f"{steps} forwards of {K} rows {forward / blocks * 1e3:.1f} ms, CPU)")
 
 
 class CacheCounts(Callback):
@@ -96,21 +143,22 @@ def bench_cache(iterations: int) -> None:
         h1, m1 = counts.rows[end - 1]
         print(f"  iterations {start + 1:3d}-{end:3d}: hit rate {(h1 - h0) / max(h1 - h0 + m1 - m0, 1):.3f} "
               f"({h1 - h0} hits, {m1 - m0} misses)")
-    print(f"  versions: " + ", ".join(f"{n}={v}" for n, v in model.card.versions.items() if "reference" not in n))
+    print("  versions: " + ", ".join(f"{n}={v}" for n, v in model.card.versions.items() if "reference" not in n))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=7, help="sequential blocks (batched: one more)")
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--iterations", type=int, default=60, help="joint_rl iterations for the cache figure")
     args = parser.parse_args()
     with torch.no_grad():
-        bench_group(args.group_sizes, args.repeats, args.frames, args.size, args.steps)
-    bench_cache(args.iterations)
+        bench_group(args.group_sizes, args.blocks, args.frames, args.size, args.steps)
+    if args.iterations > 0:
+        bench_cache(args.iterations)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from posttrain.datamodules.prompts import Prompts
 from helpers import quick_trainer
 from posttrain.lit.cli import PosttrainCLI
 from posttrain.lit.joint_rl import JointRL
+from posttrain.lit.base import RunArgs
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.refiners import target_probability
 from posttrain.modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
@@ -24,7 +25,7 @@ from posttrain.modules.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "xqz#"
-SMALL = dict(frames=5, height=16, width=16, max_new_tokens=8, timestep_fraction=1.0)
+SMALL = dict(run=RunArgs(frames=5, height=16, width=16), max_new_tokens=8, timestep_fraction=1.0)
 
 
 def joint_card(n: int, joint: bool = True, lm_lr: float = 2e-2, generator_lr: float = 1e-3) -> ModelCard:
@@ -112,7 +113,7 @@ def test_per_expert_credit_every_refiner_learns_its_own_target():
     assert m.card.versions["text_encoder"] == 0
     assert m.card.cache.keys_of("text_encoder") and all(k[1] == 0 for k in m.card.cache.keys_of("text_encoder"))
     hits = m.card.cache.hits
-    m.card.prompt_embeds(PROMPTS)
+    m.stage.condition(PROMPTS)
     assert m.card.cache.hits == hits + len(PROMPTS)
     # 5) iterations, not optimizer steps; per-expert metrics
     assert trainer.global_step == 60

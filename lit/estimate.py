@@ -1,0 +1,584 @@
+"""Per-process memory of a fit config, before anything is built at full size.
+
+``estimate(config, devices)`` reads a ``posttrain fit`` YAML, builds every expert of its card on the
+``meta`` device (a ``pretrained`` expert from its config file only: no weights are read), adds the roles the
+method keeps (``reference``, ``old``, ``ema`` copies; a LoRA reference is free), and sums per process and
+per component:
+
+- **parameters** in the dtype they train in; a ZeRO-3 expert holds its 1/N partition plus the gathered
+  working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.strategy`` gives it);
+- **gradients**: full under DDP (plus DDP's bucket copy when N > 1, Lightning's default
+  ``gradient_as_bucket_view=False``), the 1/N partition plus the reduce bucket under ZeRO-2/3;
+- **optimizer states**: the expert's own optimizer's state tensors (counted by stepping it once on a
+  four-element parameter: AdamW keeps 2 per parameter) for its share of the parameters, plus DeepSpeed's fp32
+  master partition (it keeps one even for fp32 weights) and ZeRO-3's fp32 gradient sub-group buffer;
+  with ``offload_optimizer`` these live in host memory (column ``host``), as do parameter partitions with
+  ``offload_params``;
+- **activations** of one training forward (what backward keeps: the bytes of distinct non-parameter
+  storages saved for backward, traced under ``FakeTensorMode`` with 1 and 2 layers and extrapolated
+  linearly to the model's layer count: nothing is allocated); gradient checkpointing adds one layer's
+  recompute to the saved block inputs.
+
+For every sharded expert DeepSpeed's own estimator (``estimate_zero2_model_states_mem_needs`` /
+``estimate_zero3_model_states_mem_needs``, which assume 16-bit weights with fp32 master and Adam) is shown
+beside the table's figure.
+
+    from posttrain.lit.estimate import estimate
+    print(estimate("configs/finetune.yaml", devices=8))
+
+Not counted: frozen experts' transient activations (text encoding, VAE encoding/decoding under
+``no_grad``: VAE decoding of a long rollout can be large), the CUDA context and allocator fragmentation,
+communication buffers beyond the ZeRO buckets, and pinned host buffers.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+from unittest import mock
+
+import torch
+from torch import nn
+
+from posttrain.modules import presets
+from posttrain.modules.cards import Expert, ModelCard
+
+GIB = 2**30
+
+# per architecture: the config key(s) that count identical layers (activations are traced with 1 and 2)
+LAYER_KEYS: dict[str, tuple[str, ...]] = {
+    "wan_t2v": ("num_layers",), "wan_i2v": ("num_layers",), "wan_t2v_causal": ("num_layers",),
+    "qwen2": ("num_hidden_layers",),
+}
+
+
+@dataclass
+class ComponentMemory:
+    """Bytes one process holds for one component of the card."""
+
+    name: str
+    arch: str
+    placement: str  # "DDP", "single", "ZeRO-2", "ZeRO-3", "frozen", "frozen copy of X", ...
+    params: int  # parameter count (all of the component)
+    trainable: int  # parameters that get gradients and optimizer state
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: Optional[int] = None  # None: not estimated for this component
+    host_bytes: int = 0  # offloaded to host memory (not in the device total)
+    deepspeed_bytes: Optional[int] = None  # DeepSpeed's estimator, device side (sharded experts)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + (self.activation_bytes or 0)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer states on the device (what bench/memory.py measures)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-process memory of every component of a config's card."""
+
+    config: str
+    devices: int
+    num_nodes: int
+    components: list[ComponentMemory]
+    activation_rows: str
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    def __getitem__(self, name: str) -> ComponentMemory:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r}; components: {[c.name for c in self.components]}")
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(c.device_bytes for c in self.components)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(c.host_bytes for c in self.components)
+
+    def table(self) -> str:
+        unit, scale = ("GiB", GIB) if max(self.device_bytes, self.host_bytes) >= GIB else ("MiB", 2**20)
+
+        def num(b: Optional[int]) -> str:
+            return "—" if b is None else f"{b / scale:.2f}"
+
+        width = max(len(c.placement) for c in self.components)
+        head = (f"{'component':<24} {'placement':<{width}} {'params':>9} {'weights':>9} {'grads':>9} {'optim':>9} "
+                f"{'activ.':>9} {'device':>9} {'host':>9} {'DeepSpeed':>9}")
+        lines = [f"posttrain estimate: {self.config}", f"per process, {self.world_size} process(es) "
+                 f"({self.devices} device(s) x {self.num_nodes} node(s)), {unit}; activations: {self.activation_rows}",
+                 head, "-" * len(head)]
+        for c in self.components:
+            lines.append(f"{c.name:<24} {c.placement:<{width}} {c.params / 1e6:>8.2f}M {num(c.param_bytes):>9} "
+                         f"{num(c.grad_bytes):>9} {num(c.optimizer_bytes):>9} {num(c.activation_bytes):>9} "
+                         f"{num(c.device_bytes):>9} {num(c.host_bytes):>9} {num(c.deepspeed_bytes):>9}")
+        lines.append("-" * len(head))
+        lines.append(f"{'total':<24} {'':<{width}} {'':>9} {'':>9} {'':>9} {'':>9} {'':>9} "
+                     f"{num(self.device_bytes):>9} {num(self.host_bytes):>9}")
+        notes = [f"{c.name}: {n}" for c in self.components for n in c.notes]
+        if notes:
+            lines += ["notes:"] + [f"  - {n}" for n in notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int] = None,
+             batch_size: Optional[int] = None, activations: bool = True) -> MemoryEstimate:
+    """Per-process memory of parameters, gradients, optimizer states and activations of every expert of a
+    ``posttrain fit`` config, for ``devices`` x ``num_nodes`` processes and each expert's ZeRO stage,
+    offload and precision. Nothing is built at full size.
+
+    Args:
+        config: a fit YAML (``configs/*.yaml``, ``configs/recipes/*.yaml``).
+        devices: processes per node; default ``trainer.devices`` of the config (must then be a number).
+        num_nodes: default ``trainer.num_nodes`` of the config (1).
+        batch_size: rows of one training forward of the generator; default the config's data batch size
+            (times the group size K, divided by the minibatches, doubled under CFG, for the RL methods).
+        activations: trace activations (a few seconds per trainable expert); False leaves them out.
+
+    Returns:
+        a ``MemoryEstimate``; ``print`` it for the table.
+    """
+    cfg = _parse(config)
+    devices = _count("trainer.devices", devices if devices is not None else cfg.trainer.devices, config)
+    num_nodes = _count("trainer.num_nodes", num_nodes if num_nodes is not None else (cfg.trainer.num_nodes or 1),
+                       config)
+    world = devices * num_nodes
+    method = _instantiate_model(cfg, config)
+    card: ModelCard = method.card
+    data_batch = batch_size or _data_batch_size(cfg)
+
+    # 1. every expert on the meta device, then the method's roles (copies of meta modules)
+    problems = []
+    for name, spec in card.specs.items():
+        try:
+            card.models[name] = meta_model(spec)
+        except Exception as err:  # a missing config file, an unknown preset key...
+            problems.append(f"expert {name!r} ({spec.arch}): {type(err).__name__}: {err}")
+    if problems:
+        raise ValueError(f"estimate: cannot build the card of {config!r} on the meta device:\n  - "
+                         + "\n  - ".join(problems))
+    method.setup_roles()
+    cast, autocast = lightning_precision(getattr(cfg.trainer, "precision", None))
+    if cast is not None:  # "bf16-true" and kin: Lightning casts the whole module; DeepSpeed keeps its own
+        for name, model in card.models.items():
+            if not card.specs[card.roles.get(name, (name,))[0]].sharded:
+                card.models[name] = model.to(cast)
+
+    # 2. per component: weights, gradients, optimizer state
+    rows, rows_note = activation_rows(method, data_batch)
+    components = []
+    for name, model in card.models.items():
+        if name in card.roles:
+            of, role = card.roles[name]
+            spec = card.specs[of]
+            components.append(_frozen(name, spec, model, f"frozen {role} of {of}"))
+        else:
+            spec = card.specs[name]
+            components.append(_expert(name, spec, model, world))
+    for name, (of, role) in card.roles.items():
+        if name not in card.models:  # a LoRA reference: the expert with its adapter off
+            components.append(ComponentMemory(name, card.specs[of].arch, f"{of} with adapter off", 0, 0,
+                                              notes=["no memory of its own (LoRA reference)"]))
+
+    # 3. activations of the trainable experts' training forward
+    if activations:
+        for c in components:
+            spec = card.specs.get(c.name)
+            if spec is None or not spec.trainable:
+                continue
+            try:
+                c.activation_bytes, note = activation_bytes(spec, card, method, rows, cast, autocast)
+            except Exception as err:  # an architecture the trace cannot run: say so, keep the rest
+                c.activation_bytes, note = None, f"activations not estimated ({type(err).__name__}: {err})"
+            if note:
+                c.notes.append(note)
+    if autocast is not None:
+        rows_note += f", {autocast} autocast"
+    return MemoryEstimate(config, devices, num_nodes, components, rows_note)
+
+
+def lightning_precision(precision: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    """(dtype Lightning casts the module to, autocast dtype) of ``trainer.precision``; DeepSpeed experts
+    follow their own ``zero.precision`` instead."""
+    p = str(precision or "32-true")
+    if p in ("bf16-true",):
+        return torch.bfloat16, None
+    if p in ("16-true", "half"):
+        return torch.float16, None
+    if p in ("bf16-mixed", "bf16"):
+        return None, torch.bfloat16
+    if p in ("16-mixed", "16"):
+        return None, torch.float16
+    return None, None
+
+
+# ---------------------------------------------------------------------- the config
+def _parse(config: str):
+    from posttrain.lit.cli import PosttrainCLI
+
+    class ParseOnly(PosttrainCLI):
+        def instantiate_classes(self) -> None:  # parse and check the YAML; build nothing
+            pass
+
+        def _set_seed(self) -> None:  # leave the global RNGs alone
+            pass
+
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"estimate: no config file {config!r}")
+    _check_experts(config)
+    try:  # LightningCLI warns when a caller's own command line is there too: hide it for the parse
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
+            return ParseOnly(args=["--config", config], run=False, parser_kwargs={"exit_on_error": False}).config
+    except Exception as err:  # jsonargparse's ArgumentError names the key and the value
+        raise ValueError(f"estimate: {config!r} is not a valid fit config: {err}") from err
+
+
+def _check_experts(config: str) -> None:
+    """The card's experts as written in the YAML, before the parser: every problem in one message."""
+    import yaml
+
+    with open(config) as f:
+        raw = yaml.safe_load(f) or {}
+
+    def args(node: Any) -> dict:
+        node = node if isinstance(node, dict) else {}
+        return node.get("init_args", node) if "class_path" in node else node
+
+    card = args(args(raw.get("model")).get("card"))
+    experts = card.get("experts")
+    if not isinstance(experts, dict) or not experts:
+        raise ValueError(f"estimate: {config!r} names no experts (model.init_args.card.experts is {experts!r})")
+    named = dict(experts)
+    if card.get("num_refiners"):
+        named["refiner"] = card.get("refiner")
+    problems = []
+    for name, spec in named.items():
+        spec = args(spec)
+        if not spec:
+            problems.append(f"expert {name!r} has no settings: give at least `arch:` (one of {sorted(presets.PRESETS)})")
+            continue
+        if spec.get("arch") not in presets.PRESETS:
+            problems.append(f"expert {name!r}: arch {spec.get('arch')!r} is not one of {sorted(presets.PRESETS)}")
+        if spec.get("trainable") and not spec.get("optimizer"):
+            problems.append(f"expert {name!r} is trainable but has no optimizer; add `optimizer: {{class_path: "
+                            f"torch.optim.AdamW, init_args: {{lr: 1e-4}}}}`")
+    if problems:
+        raise ValueError(f"estimate: the card of {config!r}:\n  - " + "\n  - ".join(problems))
+
+
+def _instantiate_model(cfg, config: str):
+    """The method (an ``ExpertModule``) of the config, its card unbuilt: no data, trainer or logger."""
+    import importlib
+
+    from jsonargparse import ArgumentParser
+
+    module, _, name = cfg.model.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "model")
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    try:
+        return instantiate(parser.parse_object({"model": cfg.model.init_args.as_dict()})).model
+    except Exception as err:  # the method's and the card's own checks name the problem and the fix
+        raise ValueError(f"estimate: the model of {config!r} does not build: {err}") from err
+
+
+def _count(option: str, value: Any, config: str) -> int:
+    if isinstance(value, int) and value >= 1:
+        return value
+    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError(f"estimate: {option} is {value!r} in {config!r}; give the number of processes "
+                     f"(e.g. `devices=8`, `posttrain estimate --config {config} --devices 8`)")
+
+
+def _data_batch_size(cfg) -> int:
+    data = getattr(cfg, "data", None)
+    init = getattr(data, "init_args", None) if data is not None else None
+    return int(getattr(init, "batch_size", None) or 1)
+
+
+# ---------------------------------------------------------------------- meta models
+def meta_model(spec: Expert) -> nn.Module:
+    """``spec``'s model on the meta device: the preset (with overrides), a trained asset's or a pretrained
+    folder's config; no weight is read or allocated."""
+    cls = presets.model_class(spec.arch)
+    source = spec.pretrained or (presets.TRAINED_ASSETS.get(spec.arch) if not spec.preset else None)
+    with torch.device("meta"):
+        if source is not None:
+            kwargs = {"subfolder": spec.subfolder} if spec.subfolder else {}
+            if hasattr(cls, "load_config"):  # diffusers
+                model = cls.from_config(cls.load_config(source, local_files_only=not os.path.isdir(source), **kwargs))
+            else:  # transformers
+                model = cls(cls.config_class.from_pretrained(source, local_files_only=not os.path.isdir(source),
+                                                             **kwargs))
+        else:
+            model = presets.build_model(spec.arch, preset=spec.preset)
+        if spec.dtype != "float32":
+            model = model.to(torch.bfloat16)
+        if spec.lora is not None:
+            from peft import LoraConfig as PeftLoraConfig
+
+            model.requires_grad_(False)
+            model.add_adapter(PeftLoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha,
+                                             target_modules=spec.lora.target_modules, init_lora_weights=True))
+    if not spec.trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def _numel(params: list[nn.Parameter]) -> int:
+    return sum({id(p): p.numel() for p in params}.values())
+
+
+def optimizer_state_bytes(spec: Expert, dtype: torch.dtype) -> int:
+    """Bytes of optimizer state per parameter of ``dtype``: the state tensors of the expert's optimizer
+    the size of a parameter, after one step on a four-element parameter."""
+    if spec.optimizer is None:
+        return 0
+    p = nn.Parameter(torch.zeros(4, dtype=dtype))
+    optimizer = spec.optimizer([p])
+    p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = optimizer.state.get(p, {})
+    return sum(t.element_size() for t in state.values() if torch.is_tensor(t) and t.numel() == p.numel())
+
+
+# ---------------------------------------------------------------------- per component
+def _frozen(name: str, spec: Expert, model: nn.Module, placement: str) -> ComponentMemory:
+    params = list(model.parameters())
+    size = sum({id(p): p.numel() * p.element_size() for p in params}.values())
+    return ComponentMemory(name, spec.arch, placement, _numel(params), 0, param_bytes=size)
+
+
+def _expert(name: str, spec: Expert, model: nn.Module, world: int) -> ComponentMemory:
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad] if spec.trainable else []
+    n_all, n_train = _numel(params), _numel(trainable)
+    if not spec.trainable:
+        if spec.sharded:  # a frozen ZeRO-3 expert: weights partitioned, nothing else
+            c = _frozen(name, spec, model, "frozen, ZeRO-3")
+            c.param_bytes //= world
+            if spec.zero.offload_params:
+                c.host_bytes, c.param_bytes = c.param_bytes, 0
+            return c
+        return _frozen(name, spec, model, "frozen")
+    if spec.sharded:
+        return _zero(name, spec, model, world, n_all, n_train)
+    # plain: full weights, gradients (same dtype) and optimizer state on every process
+    weight_bytes = sum({id(p): p.numel() * p.element_size() for p in params}.values())
+    train_bytes = sum({id(p): p.numel() * p.element_size() for p in trainable}.values())
+    dtype = trainable[0].dtype if trainable else torch.float32
+    grads = train_bytes * (2 if world > 1 else 1)
+    c = ComponentMemory(name, spec.arch, "DDP" if world > 1 else "single process", n_all, n_train,
+                        param_bytes=weight_bytes, grad_bytes=grads,
+                        optimizer_bytes=n_train * optimizer_state_bytes(spec, dtype))
+    if world > 1:
+        c.notes.append("gradients counted twice: .grad and DDP's bucket (gradient_as_bucket_view=False)")
+    if spec.lora is not None:
+        c.placement += ", LoRA"
+    return c
+
+
+def _zero(name: str, spec: Expert, model: nn.Module, world: int, n_all: int, n_train: int) -> ComponentMemory:
+    """ZeRO-2/3 bytes per process as DeepSpeed 0.16-0.19 lays them out for the config ``lit.strategy`` gives."""
+    from posttrain.lit.strategy import deepspeed_config
+
+    zero = spec.zero
+    low = 2 if zero.precision == "bf16" else 4  # the engine's working weights and gradients
+    ds = deepspeed_config(spec, model)["zero_optimization"]
+    bucket = int(ds.get("reduce_bucket_size", 5e8))
+    states = optimizer_state_bytes(spec, torch.float32)  # DeepSpeed steps the fp32 master partition
+    frozen = n_all - n_train
+    part = math.ceil(n_train / world)
+    c = ComponentMemory(name, spec.arch, f"ZeRO-{zero.stage} {zero.precision}", n_all, n_train)
+    optimizer_side = part * (4 + states)  # fp32 master partition + states (a copy even for fp32 weights)
+    if zero.stage == 2:
+        c.param_bytes = n_all * low
+        c.grad_bytes = part * low + min(bucket, n_train) * low
+        if zero.precision == "bf16":
+            optimizer_side += part * 4  # the fp32 gradient partition the step converts to
+    else:
+        live = int(ds.get("stage3_max_live_parameters", 1e9))
+        partition = math.ceil(n_all / world) * low
+        gathered = min(live, n_all) * low
+        c.param_bytes = gathered + (0 if zero.offload_params else partition)
+        c.grad_bytes = part * low + min(bucket, n_train) * low
+        optimizer_side += min(int(ds.get("sub_group_size", 1e9)), part) * 4  # fp32 grad buffer of a sub-group
+        if zero.offload_params:
+            c.host_bytes += partition
+        c.notes.append(f"ZeRO-3 keeps up to {min(live, n_all) / 1e6:.1f}M gathered parameters live "
+                       f"(stage3_max_live_parameters)")
+    if zero.offload_optimizer:  # ZeRO-Offload: master, states and the gradient partition (fp32) on the host
+        c.host_bytes += optimizer_side + part * 4
+        c.grad_bytes -= part * low
+    else:
+        c.optimizer_bytes = optimizer_side
+    if frozen:
+        c.notes.append(f"{frozen / 1e6:.1f}M frozen parameters (LoRA base) counted as weights only")
+    c.deepspeed_bytes = deepspeed_estimate(spec, model, world)
+    if zero.precision != "bf16":
+        c.notes.append("DeepSpeed's estimator assumes 16-bit weights; this expert trains in fp32")
+    return c
+
+
+def deepspeed_estimate(spec: Expert, model: nn.Module, world: int, devices: Optional[int] = None) -> int:
+    """DeepSpeed's own device-side estimate of model states for ``spec``'s ZeRO stage and offload."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = _numel(params)
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    if spec.zero.stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        _, device = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=world, num_nodes=1,
+                                                          cpu_offload=spec.zero.offload_optimizer)
+        return int(device)
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    _, device, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=world, num_nodes=1,
+                                                         cpu_offload=spec.zero.offload_optimizer,
+                                                         cpu_offload_params=spec.zero.offload_params,
+                                                         zero_init=True)
+    return int(device)
+
+
+# ---------------------------------------------------------------------- activations
+def activation_rows(method, data_batch: int) -> tuple[int, str]:
+    """Rows of one training forward of the generator, and how they were counted."""
+    K = getattr(method, "num_samples_per_prompt", None)
+    if K is None:
+        return data_batch, f"{data_batch} rows (data batch) per training forward"
+    minibatches = getattr(method, "num_minibatches", 1)
+    rows = math.ceil(data_batch * K / minibatches)
+    cfg = getattr(method, "guidance_scale", 1.0) not in (None, 1.0)
+    text = f"{data_batch} prompts x K={K}" + (f" / {minibatches} minibatches" if minibatches > 1 else "")
+    if cfg:
+        rows *= 2
+        text += " x 2 (CFG)"
+    return rows, f"{rows} rows ({text}) per training forward of one step (each backed up before the next)"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
+                     autocast: Optional[torch.dtype] = None) -> tuple[Optional[int], str]:
+    """Bytes saved for backward by one training forward of ``spec``'s model at ``rows`` rows, extrapolated
+    from fake-tensor traces with 1 and 2 layers; ``(None, why)`` where no input recipe exists."""
+    keys = LAYER_KEYS.get(spec.arch)
+    if keys is None:
+        return None, f"activations not estimated for arch {spec.arch!r}"
+    config = meta_model(spec).config
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    layers = config[keys[0]]
+    trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast)
+    saved = [trace(_with_layers(config, keys[0], n)) for n in (1, 2)]
+    per_layer = saved[1] - saved[0]
+    note = ("traced without the LoRA adapter, every weight trainable: an upper bound (peft cannot move fake "
+            "tensors)") if spec.lora is not None else ""
+    if spec.gradient_checkpointing:
+        # checkpointed blocks keep their inputs; backward recomputes one block's activations at a time
+        full = [trace(_with_layers(config, keys[0], n), checkpointing=False) for n in (1, 2)]
+        return saved[0] + (layers - 1) * per_layer + (full[1] - full[0]), note
+    return saved[0] + (layers - 1) * per_layer, note
+
+
+def _with_layers(config: dict, key: str, n: int) -> dict:
+    """``config`` with ``n`` layers (a transformers config's per-layer lists cut to match)."""
+    out = dict(config, **{key: n})
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = out["layer_types"][:n]
+    return out
+
+
+def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
+                 autocast: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None) -> int:
+    """Distinct non-parameter storages saved for backward by one forward, traced on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = _input_shapes(spec.arch, config, card, method, rows)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+    if spec.sharded:  # the engine's precision; Lightning's does not apply
+        dtype, autocast = (torch.bfloat16 if spec.zero.precision == "bf16" else torch.float32), None
+    elif cast is not None:
+        dtype = cast
+    cls = presets.model_class(spec.arch)
+    checkpointing = spec.gradient_checkpointing if checkpointing is None else checkpointing
+    with FakeTensorMode(), _default_dtype(dtype):
+        if hasattr(cls, "load_config"):
+            model = cls.from_config(config)
+        else:
+            model = cls(cls.config_class.from_dict(config))
+        if checkpointing:
+            if hasattr(model, "enable_gradient_checkpointing"):
+                model.enable_gradient_checkpointing()
+            else:
+                model.gradient_checkpointing_enable()
+        model.train()
+        inputs = _inputs(shapes, dtype)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                saved[storage._cdata] = storage.nbytes()
+            return t
+
+        mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
+            model(**inputs)
+    return sum(saved.values())
+
+
+def _input_shapes(arch: str, config: dict, card: ModelCard, method, rows: int) -> dict[str, tuple]:
+    """Shapes of one training forward's inputs (from the meta card; no tensor is made here)."""
+    if arch in ("wan_t2v", "wan_i2v", "wan_t2v_causal"):
+        if "vae" not in card.models:
+            raise ValueError("estimate: the generator's latent size needs the card's `vae`")
+        _, f, h, w = method.stage.latent_shape(method.video)
+        return dict(hidden_states=(rows, config["in_channels"], f, h, w), timestep=(rows,),
+                    encoder_hidden_states=(rows, card.text_max_length, config["text_dim"]))
+    if arch == "qwen2":
+        return dict(input_ids=(rows, card.text_max_length + getattr(method, "max_new_tokens", 0)))
+    raise ValueError(f"no activation inputs for arch {arch!r}")
+
+
+def _inputs(shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
+    """Tensors of ``shapes`` (fake ones inside ``FakeTensorMode``): floats in ``dtype``, ids, timesteps."""
+    inputs: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        if name == "input_ids":
+            inputs[name] = torch.zeros(shape, dtype=torch.long)
+        elif name == "timestep":
+            inputs[name] = torch.full(shape, 500.0)
+        else:
+            inputs[name] = torch.randn(shape, dtype=dtype)
+    if "hidden_states" in inputs:
+        inputs["return_dict"] = False
+    return inputs

@@ -1,0 +1,250 @@
+"""Benchmarks that hold on a noisy machine, and the fit loop's per-iteration savings.
+
+- ``bench/timing.py``: the median's interval, the "too noisy" verdict and the goal verdict on hand-made
+  block timings; blocks refuse to be recorded out of turn.
+- ``ExpertModule.log``: skipping per-iteration metrics in iterations whose metrics reach no logger
+  changes nothing a logger receives, and saves the calls.
+- ``SyncPlan``'s fused lerp equals the per-tensor lerp.
+- Every bench runs end to end at a tiny size.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.loggers import Logger
+
+from posttrain.callbacks.versions import SyncPlan, constant
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.lit.base import ExpertModule
+from posttrain.lit.finetune import Finetune
+from tests.conftest import wan_card
+from tests.helpers import quick_trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import timing  # noqa: E402
+
+
+# ---------------------------------------------------------------------- timing.py
+def blocks_of(baseline: list[float], candidate: list[float]) -> timing.Blocks:
+    """Alternating blocks with these seconds per item (wall = cpu)."""
+    out = timing.Blocks("base", "cand")
+    for k, c in enumerate(candidate):
+        out.record("base", baseline[k], baseline[k], 1)
+        out.record("cand", c, c, 1)
+    out.record("base", baseline[-1], baseline[-1], 1)
+    return out
+
+
+def test_median_interval_order_statistics():
+    """n = 20: P(Binomial(20, 1/2) <= 5) = 21700/2^20 = 0.0207, so the 6th smallest and 6th largest
+    bound the median with 1 - 2·0.0207 = 0.9586 >= 95% (the 7th would give 0.885)."""
+    lo, hi, coverage = timing.median_interval([float(i) for i in range(1, 21)])
+    assert (lo, hi) == (6.0, 15.0)
+    assert coverage == pytest.approx(1 - 2 * 21700 / 2**20)
+    # below 6 values no interval reaches 95%: min-max, with its true coverage 1 - 2/2^n
+    lo, hi, coverage = timing.median_interval([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert (lo, hi, coverage) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
+
+
+def test_paired_ratio_brackets_each_candidate_block():
+    """Baseline drifts 10 -> 12 -> 14; candidate 11 and 13 sit exactly on the drift: ratios 1, 1."""
+    b = blocks_of([10.0, 12.0, 14.0], [11.0, 13.0])
+    assert timing.paired_ratios(b, "wall") == [1.0, 1.0]
+
+
+def test_verdict_says_too_noisy_when_the_interval_holds_one():
+    # ratios 0.8, 1.3, 0.9, 1.2, 1.0, 1.25, 0.85: median 1.0, noise +-30%
+    cand = [0.8, 1.3, 0.9, 1.2, 1.0, 1.25, 0.85]
+    c = timing.compare(blocks_of([1.0] * 8, cand), goal=1.03)
+    assert not c.ratios["wall"].resolved
+    verdict = c.verdict("wall")
+    assert "too noisy" in verdict and "undecided" in verdict and "= " not in verdict.split(";")[0]
+
+
+def test_verdict_gives_ratio_and_goal_when_resolved():
+    cand = [1.10, 1.12, 1.11, 1.13, 1.09, 1.10, 1.12]  # all above 1: resolved, and above 1.03: missed
+    c = timing.compare(blocks_of([1.0] * 8, cand), goal=1.03)
+    assert c.ratios["wall"].resolved and c.ratios["wall"].median == pytest.approx(1.11)
+    assert "= 1.110" in c.verdict("wall") and "missed" in c.verdict("wall")
+    c = timing.compare(blocks_of([1.0] * 8, [1.01, 1.02, 1.01, 1.02, 1.015, 1.01, 1.02]), goal=1.03)
+    assert "met" in c.verdict("wall")
+    # higher is better (a speed-up): 5.8-6.2 straddles 6
+    c = timing.compare(blocks_of([1.0] * 8, [5.8, 6.1, 6.2, 5.9, 6.0, 6.05, 5.95]), goal=6.0, higher_is_better=True)
+    assert "undecided" in c.verdict("wall")
+
+
+def test_blocks_refuse_out_of_turn():
+    b = timing.Blocks("base", "cand")
+    with pytest.raises(RuntimeError, match="out of turn"):
+        b.record("cand", 1.0, 1.0, 1)
+    b.record("base", 1.0, 1.0, 1)
+    with pytest.raises(RuntimeError, match="'cand' is next"):
+        b.record("base", 1.0, 1.0, 1)
+
+
+def test_interleave_alternates_and_counts():
+    calls: list[str] = []
+    b = timing.interleave(lambda: calls.append("b"), lambda: calls.append("c"), blocks=3, per_block=2, warmup=1)
+    assert calls == ["b", "c"] + ["b", "b", "c", "c"] * 3 + ["b", "b"]
+    assert b.order == ["base", "cand"] * 3 + ["base"] or b.order == ["baseline", "candidate"] * 3 + ["baseline"]
+    assert len(b.samples[b.baseline]) == 4 and len(b.samples[b.candidate]) == 3
+
+
+# ---------------------------------------------------------------------- per-iteration logging
+class Recorder(Logger):
+    """Everything that reaches a logger: (step, metrics) per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+
+class Sporadic(Callback):
+    """Logs ``train/sporadic`` in iterations 2 and 7 only, neither of them one whose metrics reach a logger
+    (as C2Check logs every n-th iteration): Lightning hands the loggers its latest value at the next one."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx in (2, 7):
+            pl_module.log("train/sporadic", float(batch_idx), on_step=True)
+
+
+def finetune_logged(monkeypatch, gate: bool, iterations: int = 12, every: int = 5):
+    """(what the logger got, Lightning log calls, final callback metrics) of a short finetune with EMA."""
+    calls = []
+    original = LightningModule.log
+
+    def counting(self, name, *args, **kwargs):
+        calls.append(name)
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(LightningModule, "log", counting)
+    if not gate:
+        monkeypatch.setattr(ExpertModule, "log_due", property(lambda self: True))
+    torch.manual_seed(0)
+    module = Finetune(wan_card(), ema_decay=0.9)
+    recorder = Recorder()
+    trainer = quick_trainer(max_steps=iterations, logger=recorder, log_every_n_steps=every, callbacks=[Sporadic()])
+    trainer.fit(module, SyntheticVideos(num_samples=32, batch_size=2))
+    monkeypatch.undo()
+    return recorder.rows, calls, {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_skipped_logs_change_nothing_a_logger_gets(monkeypatch, one_thread):
+    """12 iterations, log_every_n_steps=5: the logger gets the same steps and values either way, a metric
+    logged in other iterations too; Lightning's log runs in iterations 5, 10 and 12 (the last) only."""
+    rows, calls, final = finetune_logged(monkeypatch, gate=True)
+    rows_all, calls_all, final_all = finetune_logged(monkeypatch, gate=False)
+    assert [step for step, _ in rows_all] == [4, 9]  # Lightning's steps are 0-based
+    assert rows == rows_all
+    assert "train/loss" in rows[0][1] and "train/version/transformer_ema" in rows[0][1]
+    assert rows[0][1]["train/sporadic"] == 2.0 and rows[1][1]["train/sporadic"] == 7.0
+    assert final == final_all and final["train/version/transformer"] == 12.0
+    per_iteration = (len(calls_all) - 2) / 12
+    assert per_iteration == 8  # loss, cache hit rate, grad norm, lr, 4 versions
+    assert len(calls) == 3 * per_iteration + 2, calls  # + the two sporadic values, each logged once
+
+
+def test_logs_outside_training_steps_are_never_skipped(monkeypatch, one_thread):
+    """Validation metrics (on_epoch) reach callback_metrics whatever the iteration."""
+    module = Finetune(wan_card(), ema_decay=None)
+    trainer = quick_trainer(max_steps=3, log_every_n_steps=50, limit_val_batches=1, val_check_interval=3)
+    trainer.fit(module, SyntheticVideos(num_samples=16, val_samples=4, batch_size=2))
+    assert "val/loss" in trainer.callback_metrics and "train/loss" in trainer.callback_metrics
+
+
+# ---------------------------------------------------------------------- sync plans
+@pytest.mark.parametrize("decay", [0.0, 0.9])
+def test_fused_sync_plan_equals_per_tensor_lerp(decay):
+    card = wan_card()
+    card.build()
+    ema = card.add_role("ema", of="transformer")
+    with torch.no_grad():
+        for p in card["transformer"].parameters():
+            p.add_(torch.randn_like(p))
+    expected = {n: t.lerp(dict(card["transformer"].named_parameters())[n], 1 - decay)
+                for n, t in card[ema].named_parameters()}
+    assert SyncPlan("transformer", ema, constant(decay)).apply(card, 1)
+    got = dict(card[ema].named_parameters())
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    if decay == 0.0:
+        assert all(torch.equal(got[n], p) for n, p in card["transformer"].named_parameters())
+
+
+# ---------------------------------------------------------------------- the benches run
+def run_bench(*args: str, timeout: int = 600) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def test_overhead_bench_runs(tmp_path):
+    out = run_bench("bench/overhead.py", "--blocks", "3", "--per-block", "2", "--warmup", "2",
+                    "--workdir", str(tmp_path))
+    assert "3 fit blocks between 4 plain blocks" in out
+    assert out.count("verdict:") == 2 and "goal <= 1.03" in out
+
+
+def test_rollout_bench_runs():
+    out = run_bench("bench/rollout.py", "--group-sizes", "2", "--blocks", "2", "--steps", "2", "--iterations", "4")
+    assert "speed-up K=2 (sequential/batched)" in out and "forward of 2 rows" in out
+    assert "hit rate" in out  # the cache part ran
+
+
+def test_memory_bench_runs():
+    out = run_bench("bench/memory.py", "--layers", "1", "--heads", "2", "--head_dim", "32", "--blocks", "2",
+                    "--steps", "1", "--port", "29561")
+    assert "memory ratio ZeRO-3 / DDP" in out and "step time ZeRO-3/DDP" in out
+
+
+def test_gpu_bench_tiny_runs_every_part(tmp_path):
+    """The prepared GPU check at its tiny size on the CPU: every part yields figures, none an error."""
+    import json
+
+    out_file = tmp_path / "gpu.json"
+    out = run_bench("bench/gpu.py", "--tiny", "--out", str(out_file))
+    assert "flow_grpo step, K=8" in out
+    figures = json.loads(out_file.read_text())
+    for part in ("plain", "zero3", "offload", "rl"):
+        assert "error" not in figures[part], figures[part]
+    assert figures["plain"]["seconds_per_iteration"] > 0 and figures["plain"]["model_tflops_per_iteration"] > 0
+    assert figures["plain"]["params"] == pytest.approx(0.2e6, rel=0.5)  # the tiny shape, not 1.3B
+    assert figures["zero3"]["estimate_model_state_bytes"] > 0
+    assert set(figures["rl"]["seconds"]) == {"rollout", "decode", "update"}
+
+
+def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_epoch_end(one_thread):
+    """Iteration 2 of a 4-batch epoch logs, log_every_n_steps=50: Lightning kept that value in
+    callback_metrics through the epoch's end, so the deferred value is logged at the epoch's last batch."""
+
+    class Once(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.current_epoch == 0 and batch_idx == 2:
+                pl_module.log("train/once", 2.0, on_step=True)
+
+    module = Finetune(wan_card(), ema_decay=None)
+    trainer = quick_trainer(max_steps=6, log_every_n_steps=50, callbacks=[Once()])
+    trainer.fit(module, SyntheticVideos(num_samples=8, batch_size=2))  # 4 batches per epoch
+    assert trainer.callback_metrics["train/once"] == 2.0

@@ -1,0 +1,192 @@
+"""``posttrain.lit.estimate``: figures against measured ones, and clear errors for broken cards.
+
+Stated margins:
+- model states (weights + gradients + optimizer state) of a ZeRO-3 expert, per process, 2 processes:
+  within 10% of the peak ``bench/memory.py`` measures in a real 2-process DeepSpeed run (fp32 and bf16);
+- activations: within 5% of the bytes a real forward saves for backward at the same size (the estimate
+  traces fake tensors with 1 and 2 layers and extrapolates to 3).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+
+from posttrain.lit.estimate import _inputs, estimate, meta_model
+from posttrain.modules import presets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import memory  # noqa: E402  (bench/memory.py: the measured side)
+
+ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-4}}
+# bench/memory.py's preset at layers=2, heads=8, head_dim=64 (10.6M parameters)
+MEMORY_PRESET = {"num_attention_heads": 8, "attention_head_dim": 64, "ffn_dim": 2048, "num_layers": 2}
+
+
+def write_config(tmp_path, generator: dict | None, devices=1, sharded=False, batch_size=1, drop=(),
+                 experts: dict | None = None) -> str:
+    """A finetune config: tiny text encoder and VAE, a trainable Wan transformer with ``generator``'s
+    settings (None: leave it to ``experts``), ``experts`` written over the card as given."""
+    card = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}}
+    if generator is not None:
+        card["transformer"] = {"arch": "wan_t2v", "trainable": True, "optimizer": ADAMW, **generator}
+    card.update(experts or {})
+    for name in drop:
+        card.pop(name)
+    cfg = {
+        "trainer": {"accelerator": "cpu", "devices": devices, "logger": False,
+                    **({"strategy": {"class_path": "posttrain.lit.strategy.ShardedExpertsStrategy"}} if sharded else {})},
+        "model": {"class_path": "posttrain.lit.finetune.Finetune", "init_args": {"card": {"experts": card}}},
+        "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
+                 "init_args": {"batch_size": batch_size}},
+    }
+    path = os.path.join(tmp_path, "config.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_model_states_match_a_measured_two_process_run(tmp_path, precision):
+    path = write_config(tmp_path, {"preset": MEMORY_PRESET, "sharded": True,
+                                   "zero": {"stage": 3, "precision": precision}}, devices=2, sharded=True)
+    estimated = estimate(path, activations=False)["transformer"]
+    assert estimated.placement == f"ZeRO-3 {precision}" and estimated.params == pytest.approx(10.6e6, rel=0.01)
+
+    args = argparse.Namespace(layers=2, heads=8, head_dim=64, precision=precision, port=free_port())
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(memory.worker, args=(args, "zero3", out), nprocs=2, join=True)
+    measured = max(out.get()["peaks"])
+    assert estimated.model_state_bytes == pytest.approx(measured, rel=0.10), \
+        f"estimate {estimated.model_state_bytes / 2**20:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
+
+
+def test_activation_estimate_matches_a_real_forward(tmp_path):
+    """3 layers, 2 rows: the fake-tensor extrapolation from 1 and 2 layers against real saved tensors."""
+    preset = {"num_layers": 3, "num_attention_heads": 4, "attention_head_dim": 32, "ffn_dim": 256}
+    path = write_config(tmp_path, {"preset": preset}, batch_size=2)
+    result = estimate(path)
+    estimated = result["transformer"].activation_bytes
+
+    from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
+
+    method = _instantiate_model(_parse(path), path)
+    card = method.card
+    for name in ("vae", "transformer"):
+        card.models[name] = meta_model(card.specs[name])
+    model = presets.build_model("wan_t2v", preset=preset).train()
+    inputs = _inputs(_input_shapes("wan_t2v", dict(model.config), card, method, rows=2), torch.float32)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**inputs)[0]
+    measured = sum(saved.values())
+    assert out.shape[0] == 2 and measured > 0
+    assert estimated == pytest.approx(measured, rel=0.05), f"estimate {estimated} vs measured {measured} bytes"
+
+
+def test_roles_lora_and_offload_are_counted(tmp_path):
+    # EMA: a frozen full copy of the generator's weights
+    path = write_config(tmp_path, {})
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["init_args"]["ema_decay"] = 0.9
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    result = estimate(path, activations=False)
+    ema, gen = result["transformer_ema"], result["transformer"]
+    assert ema.param_bytes == gen.param_bytes and ema.grad_bytes == 0 and ema.optimizer_bytes == 0
+    assert gen.optimizer_bytes == 2 * gen.param_bytes  # AdamW: two fp32 moments per fp32 parameter
+    # LoRA: only the adapter trains
+    path = write_config(tmp_path, {"lora": {"rank": 4}})
+    lora = estimate(path, activations=False)["transformer"]
+    assert 0 < lora.trainable < 0.2 * lora.params and lora.grad_bytes == 4 * lora.trainable
+    # ZeRO-3 with both offloads: the device keeps only gathered parameters, gradients and buckets
+    path = write_config(tmp_path, {"preset": MEMORY_PRESET, "sharded": True,
+                                   "zero": {"stage": 3, "offload_optimizer": True, "offload_params": True}},
+                        devices=4, sharded=True)
+    off = estimate(path, activations=False)["transformer"]
+    assert off.optimizer_bytes == 0 and off.deepspeed_bytes is not None
+    part = off.trainable / 4
+    assert off.host_bytes == pytest.approx(part * 4 + part * (4 + 8 + 4), rel=0.15)  # weights, master, Adam, grads
+    assert off.grad_bytes < part * 4  # only the reduce bucket stays on the device
+
+
+def test_devices_scale_the_sharded_share(tmp_path):
+    spec = {"preset": MEMORY_PRESET, "sharded": True, "zero": {"stage": 2, "precision": "bf16"}}
+    two = estimate(write_config(tmp_path, spec, devices=2, sharded=True), activations=False)["transformer"]
+    eight = estimate(write_config(tmp_path, spec, devices=2, sharded=True), devices=8, activations=False)["transformer"]
+    assert eight.param_bytes == two.param_bytes  # ZeRO-2 keeps full weights
+    assert eight.optimizer_bytes < 0.3 * two.optimizer_bytes  # master + Adam: 1/8 instead of 1/2
+
+
+def test_missing_and_odd_experts_give_clear_errors(tmp_path):
+    path = write_config(tmp_path, {}, drop=("vae",))
+    with pytest.raises(ValueError, match=r"the card has no 'vae'"):
+        estimate(path)
+    path = write_config(tmp_path, None, experts={"transformer": {"arch": "wan_t3v", "trainable": True}, "vae": None})
+    with pytest.raises(ValueError) as err:
+        estimate(path)
+    message = str(err.value)
+    assert "expert 'transformer': arch 'wan_t3v' is not one of" in message
+    assert "expert 'transformer' is trainable but has no optimizer" in message
+    assert "expert 'vae' has no settings" in message
+    path = write_config(tmp_path, {})
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    cfg["trainer"]["devices"] = "auto"
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    with pytest.raises(ValueError, match=r"trainer.devices is 'auto'.*devices=8"):
+        estimate(path)
+    with pytest.raises(FileNotFoundError, match="no config file"):
+        estimate(os.path.join(tmp_path, "missing.yaml"))
+
+
+def test_every_shipped_config_estimates(tmp_path):
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
+        if "folder" in os.path.basename(path):
+            continue  # needs a data folder to parse
+        result = estimate(path, activations=False)
+        assert result.device_bytes > 0 and "total" in result.table(), path
+
+
+def test_trainer_precision_applies_to_plain_experts(tmp_path):
+    """bf16-true: Lightning casts every plain expert (weights, gradients, AdamW state in bf16: half of fp32);
+    bf16-mixed: fp32 weights, fewer activation bytes (autocast)."""
+    results = {}
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        path = write_config(tmp_path, {}, batch_size=8)  # at 1 row autocast's bf16 weight copies outweigh
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+        cfg["trainer"]["precision"] = precision
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        results[precision] = estimate(path)
+    full, mixed, half = (results[p]["transformer"] for p in ("32-true", "bf16-mixed", "bf16-true"))
+    assert half.model_state_bytes * 2 == full.model_state_bytes and mixed.model_state_bytes == full.model_state_bytes
+    assert results["bf16-true"]["vae"].param_bytes * 2 == results["32-true"]["vae"].param_bytes
+    assert mixed.activation_bytes < 0.9 * full.activation_bytes
