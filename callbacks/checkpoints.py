@@ -57,15 +57,21 @@ class ModelCheckpoint(LightningModelCheckpoint):
         return {path} if path else set()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._resuming = trainer.ckpt_path is not None
+        self._restored, self._not_empty = False, None
         super().setup(trainer, pl_module, stage)
         if not _is_local_file_protocol(str(self.dirpath)):
             raise ValueError(f"ModelCheckpoint dirpath {self.dirpath!r}: atomic checkpoints need a local or shared "
                              f"POSIX folder (rename and fsync); write there and copy to remote storage afterwards")
         ckpt.install_checkpoint_io(trainer.strategy)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._restored = True  # this fit resumes from a checkpoint
+
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        if self._not_empty is not None and not self._restored:
+            super()._ModelCheckpoint__warn_if_dir_not_empty(self._not_empty)  # a new run into a used folder
         fit_loop = trainer.fit_loop
         progress = fit_loop.epoch_progress.current
         if fit_loop.restarted_mid_epoch and fit_loop.epoch_loop.restarted_on_train_batch_end \
@@ -76,10 +82,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
             fit_loop.reset_restart_stage()
 
     def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:
-        """Lightning's (private) "Checkpoint directory exists and is not empty" warning, except when resuming
-        from that folder, where it is expected."""
-        if not getattr(self, "_resuming", False):
-            super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)
+        """Lightning's (private) "Checkpoint directory exists and is not empty" warning, deferred to the start of
+        training and given only when this fit did not resume from a checkpoint (where the folder is expected to
+        hold checkpoints). The checkpoint is restored after ``setup``, so ``setup`` cannot tell."""
+        self._not_empty = dirpath
 
     # ------------------------------------------------------------------ when to save
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -201,6 +201,7 @@ def condense(message: str) -> str:
     """A jsonargparse / LightningCLI error as what names the option and the fix: the nested
     ``Parser key "x":`` lines become one dotted key, Union/type dumps are dropped."""
     keys, lines = [], []
+    message = re.sub(r"\x1b\[[0-9;]*m", "", message)  # terminal colours (torch's weights-only note has them)
     for line in message.splitlines():
         key = re.match(r'^\s*(?:-\s*)?Parser key "([^"]+)":\s*(.*)$', line)
         if key:

@@ -18,6 +18,7 @@ from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit import checkpoints as ckpt
+from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from tests.conftest import adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
@@ -30,7 +31,7 @@ SIZE = dict(frames=5, height=16, width=16)
 def fit(folder, steps: int, ckpt_path=None, module=None, every: int = 2, save_top_k: int = -1, callbacks=(),
         **kwargs):
     """A tiny finetune with the package's ModelCheckpoint in ``folder``; returns (module, trainer, warnings)."""
-    module = module or Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, **SIZE)
+    module = module or Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, run=RunArgs(**SIZE))
     callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=every, save_last=True, save_top_k=save_top_k)
     trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback, *callbacks], **kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -156,7 +157,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(run, tmp_path, damage):
     with pytest.raises(ckpt.CheckpointError, match=expected):
         ckpt.load(str(target))
     # an explicit path stops before anything loads
-    module = Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, **SIZE)
+    module = Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, run=RunArgs(**SIZE))
     with pytest.raises(ckpt.CheckpointError, match=expected):
         fit(tmp_path / "other", 8, ckpt_path=str(target), module=module)
     # `last` falls back to the newest checkpoint that verifies, and says so
@@ -251,8 +252,8 @@ def cli_config(tmp_path) -> str:
                              default_root_dir=str(tmp_path / "run"), val_check_interval=None)
     config["trainer"]["callbacks"] = [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
                                        "init_args": {"dirpath": str(tmp_path / "run" / "ckpt")}}]
-    config["model"]["init_args"].update(SIZE)
-    config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2, **SIZE)
+    config["model"]["init_args"]["run"] = dict(SIZE)
+    config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -260,7 +261,7 @@ def cli_config(tmp_path) -> str:
 
 @pytest.mark.parametrize("kind", ["file", "folder", "zero-folder"])
 @pytest.mark.parametrize("command", ["export", "fit", "validate", "predict"])
-def test_payload_checkpoint_never_runs_code(tmp_path, command, kind):
+def test_payload_checkpoint_never_runs_code(tmp_path, capsys, command, kind):
     from posttrain.lit.cli import main
 
     marker = str(tmp_path / "pwned")
@@ -269,14 +270,16 @@ def test_payload_checkpoint_never_runs_code(tmp_path, command, kind):
         args = ["export", "--ckpt", path, "--out", str(tmp_path / "out")]
     else:
         args = [command, "--config", cli_config(tmp_path), "--ckpt_path", path]
-    with pytest.raises(Exception) as err:
+    with pytest.raises(SystemExit):
         main(args)
     assert not os.path.exists(marker), f"{command} ran code from a {kind} checkpoint"
+    message = capsys.readouterr().err
+    assert message.startswith(f"posttrain {command}: error:") and "\x1b" not in message, message
     if kind == "file" and command != "export":
         # LightningCLI itself reads a single-file ckpt_path first (weights only) for hyper-parameters
-        assert "Weights only load failed" in str(err.value), err.value
+        assert "Weights only load failed" in message, message
     else:
-        assert "refused to unpickle" in str(err.value) and "evil.ckpt" in str(err.value), err.value
+        assert "refused to unpickle" in message and "evil.ckpt" in message, message
 
 
 def test_deepspeed_shard_loader_runs_under_the_allow_list(tmp_path):
@@ -300,18 +303,19 @@ def test_deepspeed_shard_loader_runs_under_the_allow_list(tmp_path):
     assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored afterwards
 
 
-def test_export_refuses_a_non_empty_folder(run, tmp_path):
+def test_export_refuses_a_non_empty_folder(run, tmp_path, capsys):
     from posttrain.lit.cli import main
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     last = str(run[0] / "last.ckpt")
-    with pytest.raises(FileExistsError, match=r"is a folder that is not empty; .*--overwrite"):
+    with pytest.raises(SystemExit):
         main(["export", "--ckpt", last, "--out", str(out)])
+    assert "is not empty; choose a new folder or pass --overwrite true" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine" and os.listdir(out) == ["keep.txt"]
     main(["export", "--ckpt", last, "--out", str(out), "--overwrite", "true"])
-    assert (out / "config.json").exists()
+    assert (out / "model_index.json").exists() and (out / "transformer" / "config.json").exists()
 
 
 # ---------------------------------------------------------------------- data position
@@ -370,11 +374,10 @@ def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     run = tmp_path / "run"
     config["trainer"].update(max_steps=2, enable_progress_bar=False, limit_val_batches=1, val_check_interval=2,
                              default_root_dir=str(run))
-    config["trainer"]["logger"]["init_args"].update(save_dir=str(run))
     config["trainer"]["callbacks"][0]["init_args"].update(dirpath=str(run / "ckpt"), every_n_train_steps=2)
     config["trainer"]["callbacks"][1]["init_args"].update(every_n_iterations=2)
-    config["model"]["init_args"].update(SIZE)
-    config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2, **SIZE)
+    config["model"]["init_args"]["run"] = dict(SIZE)
+    config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline", **secrets}
     done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(tmp_path / "config.yaml")],

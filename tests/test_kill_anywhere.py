@@ -26,13 +26,13 @@ FINETUNE = dict(frames=5, height=16, width=16)
 
 
 def finetune(cfg: dict) -> None:
-    cfg["model"]["init_args"].update(FINETUNE)
-    cfg["data"]["init_args"].update(num_samples=6, val_samples=2, batch_size=2, **FINETUNE)
+    cfg["model"]["init_args"]["run"] = dict(FINETUNE)
+    cfg["data"]["init_args"].update(num_samples=6, val_samples=2, batch_size=2)
 
 
 def joint_rl(cfg: dict) -> None:
     cfg["model"]["init_args"].update(num_samples_per_prompt=2, max_new_tokens=3, table_every_n_iterations=4,
-                                     frames=5, height=16, width=16)
+                                     run=dict(FINETUNE))
     cfg["model"]["init_args"]["sampler"]["init_args"]["num_steps"] = 3
     cfg["data"]["init_args"].update(num_synthetic=6, batch_size=2)
 
