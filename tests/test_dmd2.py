@@ -13,6 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import posttrain.lit.dmd2 as dmd2_module
+from posttrain.lit import checkpoints
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
@@ -169,7 +170,7 @@ def test_checkpoint_carries_both_optimizers_and_resume_is_bitwise(tmp_path):
     for bit where an uninterrupted 8-iteration run ends: weights, both optimizers, versions."""
     straight, _ = run_to(tmp_path / "straight", 8)
     first, _ = run_to(tmp_path / "resumed", 4)
-    saved = torch.load(tmp_path / "resumed" / "ckpt" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
+    saved = checkpoints.load(str(tmp_path / "resumed" / "ckpt" / "epoch=0-step=4.ckpt"))
     states = saved["optimizer_states"]
     assert len(states) == 2
     assert all(group["betas"] == (0.0, 0.999) for s in states for group in s["param_groups"])
@@ -248,8 +249,8 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
     assert result.returncode == 0, result.stderr[-6000:]
 
     a, b = os.path.join(full, "ckpt", "last.ckpt"), os.path.join(resumed, "ckpt", "last.ckpt")
-    state_a = torch.load(os.path.join(a, "lightning.pt"), map_location="cpu", weights_only=False)
-    state_b = torch.load(os.path.join(b, "lightning.pt"), map_location="cpu", weights_only=False)
+    state_a = checkpoints.load(a)
+    state_b = checkpoints.load(b)
     assert state_a["global_step"] == state_b["global_step"] == 4
     assert state_a["posttrain_versions"] == state_b["posttrain_versions"]
     assert state_a["posttrain_versions"]["transformer"] == 2 and state_a["posttrain_versions"]["critic"] == 4

@@ -59,7 +59,6 @@ def write_config(root: str, name: str, config: str, steps: int, every: int, shri
     trainer.update(max_steps=steps, val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=1,
                    num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
     trainer["default_root_dir"] = os.path.join(root, name)
-    trainer["logger"]["init_args"].update(save_dir=os.path.join(root, name), name=name)
     callbacks = [c for c in trainer["callbacks"] if not c["class_path"].endswith("ModelCheckpoint")]
     for c in callbacks:  # samples, C2 checks: every other iteration, so resumes cross them too
         if "every_n_iterations" in c.get("init_args", {}):

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import helpers_strategy as h
+from posttrain.lit import checkpoints
 from posttrain.lit.base import RunArgs
 
 pytestmark = pytest.mark.timeout(900)
@@ -99,11 +100,11 @@ def kill_and_resume(tmp_path, **kwargs) -> str:
     kill = [{"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}}]
     killed = h.fit(h.config(folder, **{**kwargs, "callbacks": [*kwargs.get("callbacks", []), *kill]}))
     assert killed.returncode != 0, "the kill switch did not fire"
-    state = torch.load(os.path.join(last(folder), "lightning.pt"), map_location="cpu", weights_only=False)
+    state = checkpoints.load(last(folder))
     assert state["global_step"] == 2
     resumed = h.fit(h.config(folder, **kwargs), "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-6000:]
-    state = torch.load(os.path.join(last(folder), "lightning.pt"), map_location="cpu", weights_only=False)
+    state = checkpoints.load(last(folder))
     assert state["global_step"] == 4  # iterations, not engine or optimizer steps
     return folder
 
@@ -113,7 +114,7 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
     The critic lives in the Lightning state (DDP ignores only the engine's parameters); a run killed
     after iteration 3 and resumed from iteration 2 ends bitwise equal to the uninterrupted one."""
     full = last(runs["two"])
-    state = torch.load(os.path.join(full, "lightning.pt"), map_location="cpu", weights_only=False)
+    state = checkpoints.load(full)
     keys = state["state_dict"].keys()
     assert any(k.startswith("card.models.critic.") for k in keys)
     assert not any(k.startswith("card.models.transformer.") for k in keys)
