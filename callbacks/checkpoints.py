@@ -42,6 +42,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
     def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
         super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
         self._cleaned = False
+        self._wrote = False  # whether this fit wrote a checkpoint (only then can `last` be the failed run's)
         self._pending_removals: list[str] = []
         self._save_after_validation = False
 
@@ -133,6 +134,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         trainer.save_checkpoint(filepath, self.save_weights_only, storage_options={ckpt.META_OPTION: meta})
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        self._wrote = True
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
@@ -171,7 +173,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
         interrupted = isinstance(exception, (KeyboardInterrupt, SIGTERMException))  # stopped, not failed
-        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not interrupted:
+        if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not interrupted and self._wrote:
             ckpt.note_failure(self._checkpoint_dir(trainer), exception, trainer.global_step)
 
 

@@ -65,8 +65,12 @@ def list_items(root: str) -> list[tuple[str, str]]:
             if not os.path.isfile(txt):
                 raise ValueError(f"{path}: no caption; add {os.path.basename(txt)!r} beside it "
                                  f"or list the data in {os.path.join(root, METADATA)}")
-            with open(txt, encoding="utf-8") as f:
-                caption = f.read().strip()
+            try:
+                with open(txt, encoding="utf-8") as f:
+                    caption = f.read().strip()
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{txt}: caption is not UTF-8 text (byte {err.start}: {err.reason}); save it as "
+                                 f"UTF-8") from err
             if not caption:
                 raise ValueError(f"{txt}: empty caption")
             items.append((path, caption))

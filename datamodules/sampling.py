@@ -81,6 +81,10 @@ class ResumableDataModule(LightningDataModule):
 
     def __init__(self, batch_size: int, num_workers: int = 0, seed: int = 0):
         super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data: batch_size={batch_size} must be >= 1 (samples per process and iteration)")
+        if num_workers < 0:
+            raise ValueError(f"data: num_workers={num_workers} must be >= 0 (0 loads in the training process)")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed

@@ -251,7 +251,7 @@ class ExpertModule(LightningModule):
         configs = []
         for name in self.plain_trainable:
             spec = self.card.specs[name]
-            optimizer = spec.optimizer(self.card.parameters_of(name))
+            optimizer = self.card.optimizer_for(name, self.card.parameters_of(name))
             config: dict[str, Any] = {"optimizer": optimizer}
             if spec.scheduler is not None:
                 config["lr_scheduler"] = {"scheduler": spec.scheduler(optimizer), "interval": "step",

@@ -217,14 +217,21 @@ def commit(temp: str, destination: str, hashed: dict[str, dict], meta: Optional[
 
 
 def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optional[dict] = None) -> None:
-    """Write ``checkpoint`` as a complete checkpoint folder at ``destination`` (one process)."""
+    """Write ``checkpoint`` as a complete checkpoint folder at ``destination`` (one process). A failed write (a full
+    disk) removes its temporary folder and leaves every earlier checkpoint as it was."""
     os.makedirs(os.path.dirname(os.path.abspath(destination)), exist_ok=True)
     temp = temp_path(destination, new_token())
     os.makedirs(temp)
-    fault_point("write:start")
-    digest = save_state(checkpoint, os.path.join(temp, STATE))
-    fault_point("write:state")
-    commit(temp, destination, {STATE: digest}, meta=_meta_of(checkpoint, meta))
+    try:
+        fault_point("write:start")
+        digest = save_state(checkpoint, os.path.join(temp, STATE))
+        fault_point("write:state")
+        commit(temp, destination, {STATE: digest}, meta=_meta_of(checkpoint, meta))
+    except OSError as err:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise CheckpointError(f"writing checkpoint {destination!r} failed ({err.strerror or err}); the earlier "
+                              f"checkpoints are unchanged. Free space in {os.path.dirname(destination)!r} (or point "
+                              f"ModelCheckpoint's dirpath elsewhere) and resume with --ckpt_path last") from err
 
 
 def _meta_of(checkpoint: dict, meta: Optional[dict]) -> dict:
@@ -320,7 +327,8 @@ def _added_later(rel: str) -> bool:
 def load(path: str) -> dict[str, Any]:
     """The Lightning state of checkpoint ``path``, verified, weights only (ZeRO shards are not read here)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist; give a checkpoint folder written by `posttrain "
+                                f"fit` (e.g. <run>/checkpoints/last.ckpt), or `--ckpt_path last` to resume a run's newest")
     if os.path.isdir(path):
         verify(path)
         fault_point("load:verified")

@@ -59,6 +59,12 @@ class PosttrainCLI(LightningCLI):
             args=args, **kwargs,
         )
 
+    def before_fit(self) -> None:
+        trainer = self.trainer
+        if trainer.max_steps == 0 or trainer.max_epochs == 0:
+            raise ValueError(f"trainer.max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}: this run would "
+                             f"train nothing; set trainer.max_steps to the iterations to train (or -1 with max_epochs)")
+
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
@@ -222,8 +228,9 @@ def condense(message: str) -> str:
         if line and line not in seen:
             seen.add(line)
             kept.append(line)
-    unknown = re.search(r"unrecognized arguments: (\S+)", message) or re.search(r"[Kk]ey \"?([\w.]+)\"? is not expected",
-                                                                                message)
+    unknown = re.search(r"unrecognized arguments: (\S+)", message) \
+        or re.search(r"[Kk]ey \"?([\w.]+)\"? is not expected", message) \
+        or re.search(r"does not accept option '([\w.]+)'", message)
     if unknown:
         kept.append(_suggestion(unknown.group(1)))
     where = ".".join(k for k in keys if k not in ("init_args",))

@@ -130,7 +130,7 @@ class ShardedExpertsStrategy(DDPStrategy):
                 continue
             model = card.models[name]
             params = card.parameters_of(name)
-            optimizer = spec.optimizer(params) if spec.trainable else None
+            optimizer = card.optimizer_for(name, params) if spec.trainable else None
             config = deepspeed_config(spec, model)
             try:
                 engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=spec.scheduler,

@@ -114,10 +114,21 @@ class ModelCard(nn.Module):
         self.versions: dict[str, int] = {name: 0 for name in specs}
         self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
 
+    def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
+        """Expert ``name``'s optimizer over ``params``; a refused setting names the expert's option."""
+        try:
+            return self.specs[name].optimizer(params)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"expert {name!r} optimizer: {err}; fix model.card.experts.{name}.optimizer.init_args "
+                             f"(e.g. a learning rate > 0)") from err
+
     # ------------------------------------------------------------------ construction
     def validate(self) -> None:
         """All configuration problems of the card in one message."""
         problems = []
+        if self.text_max_length < 1:
+            problems.append(f"text_max_length={self.text_max_length} must be >= 1 token per prompt (e.g. 64; Wan "
+                            f"pipelines use 512)")
         if self.num_refiners < 0:
             problems.append(f"num_refiners={self.num_refiners} must be >= 0")
         if self.num_refiners > 0 and self._refiner_template is None:
@@ -168,9 +179,12 @@ class ModelCard(nn.Module):
         built = {}
         for name, spec in self.specs.items():
             ctx = init_context(name, spec) if init_context is not None else contextlib.nullcontext()
-            with ctx:
-                built[name] = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
-                                                  _dtype(spec.dtype))
+            try:
+                with ctx:
+                    built[name] = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
+                                                      _dtype(spec.dtype))
+            except ValueError as err:
+                raise ValueError(f"expert {name!r}: {err}") from err
         for name, spec in self.specs.items():
             if spec.init_from is not None:
                 copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})")

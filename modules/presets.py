@@ -8,6 +8,7 @@ downloaded at run time.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Literal
 
@@ -127,9 +128,19 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             kwargs["subfolder"] = subfolder
         if dtype not in (None, torch.float32):
             kwargs["torch_dtype"] = dtype
+        expected = model_class(arch).__name__
+        config_file = os.path.join(pretrained, subfolder or "", "config.json")
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                saved = json.load(f)
+            found = saved.get("_class_name")  # diffusers; transformers folders may name a wider class, which loads
+            if found and found != expected:
+                raise ValueError(f"pretrained={pretrained!r}{f' (subfolder {subfolder!r})' if subfolder else ''} holds "
+                                 f"a {found}, but arch {arch!r} is a {expected}: point `pretrained` (and `subfolder`) "
+                                 f"at the {expected} folder")
         try:
             return model_class(arch).from_pretrained(pretrained, **kwargs)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, TypeError, RuntimeError) as err:
             raise ValueError(
                 f"could not load {arch!r} from pretrained={pretrained!r}"
                 f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "

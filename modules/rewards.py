@@ -70,7 +70,8 @@ def check_reward_output(out: Any, batch_size: int, name: str) -> RewardOutput:
                              f"— one value per sample")
         if not torch.isfinite(value).all():
             bad = [i for i, ok in enumerate(torch.isfinite(value).tolist()) if not ok]
-            raise ValueError(f"reward {name!r}: {label} is not finite for samples {bad}: {value.tolist()}")
+            raise ValueError(f"reward {name!r}: {label} is not finite for samples {bad}: {value.tolist()}; make the "
+                             f"reward return finite values (guard its divisions and empty masks)")
     return RewardOutput(out.total.float(), {k: v.float() for k, v in out.terms.items()})
 
 

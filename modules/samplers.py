@@ -210,7 +210,13 @@ class FlowMatchSampler:
             raise ValueError(f"sampler: chunk_frames={chunk_frames} must be >= 1 latent frame (or null: no chunks)")
         if sde_window is not None and not (0 <= sde_window[0] < sde_window[1] <= num_steps):
             raise ValueError(f"sampler: sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
+        if noise_level < 0:
+            raise ValueError(f"sampler: noise_level={noise_level} must be >= 0 (the SDE's noise scale; 0 is the ODE, "
+                             f"Flow-GRPO uses 0.7)")
         scheduler = scheduler if scheduler is not None else FlowMatchEulerDiscreteScheduler(shift=3.0)
+        shift = scheduler.config.get("shift", 1.0)
+        if shift is not None and shift <= 0:
+            raise ValueError(f"sampler: scheduler shift={shift} must be > 0 (1 = no shift; Wan uses 3 to 5)")
         if not is_flow_scheduler(scheduler):
             raise ValueError(f"sampler: scheduler {type(scheduler).__name__} is not a flow-matching scheduler; use "
                              f"diffusers.FlowMatchEulerDiscreteScheduler, or e.g. UniPCMultistepScheduler with "
