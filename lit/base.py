@@ -203,7 +203,7 @@ class ExpertModule(LightningModule):
         else:
             self._deferred_logs[name] = (fx, value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def _flush_deferred_logs(self, batch_idx: int) -> None:
         # after every callback's on_train_batch_end, before Lightning hands metrics to the loggers; also at an
         # epoch's last batch, where Lightning's callback_metrics took the latest values before its epoch reset
         if self._deferred_logs and (self.log_due or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
@@ -444,6 +444,7 @@ class ExpertModule(LightningModule):
         self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._flush_deferred_logs(batch_idx)
         self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
