@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 from weakref import proxy
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -39,8 +39,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
     replaces the old checkpoint atomically instead of adding ``-v1``.
     """
 
-    def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
+    def __init__(self, *args: Any, enable_version_counter: bool = False, keep_last: Optional[int] = None,
+                 **kwargs: Any):
+        """``keep_last``: keep only the newest k checkpoints of the folder (and whatever ``last.ckpt`` points to);
+        None keeps what ``save_top_k`` keeps (with no ``monitor``, Lightning allows only -1, 0 and 1)."""
         super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"ModelCheckpoint: keep_last={keep_last} must be >= 1 (or null: keep all)")
+        self.keep_last = keep_last
         self._cleaned = False
         self._wrote = False  # whether this fit wrote a checkpoint (only then can `last` be the failed run's)
         self._pending_removals: list[str] = []
@@ -158,8 +164,19 @@ class ModelCheckpoint(LightningModelCheckpoint):
             for path in self._pending_removals:
                 ckpt.remove_entry(path)
             ckpt.prune_hidden(dirpath, keep=2)
+            self._retain(dirpath)
         self._pending_removals = []
         trainer.strategy.barrier("posttrain_last_checkpoint")
+
+    def _retain(self, dirpath: str) -> None:
+        """Remove the folder's checkpoints beyond the newest ``keep_last`` (never the one ``last.ckpt`` names)."""
+        if self.keep_last is None:
+            return
+        named = [path for path in ckpt.entries(dirpath) if os.path.dirname(path) == os.path.abspath(dirpath)]
+        last = os.path.realpath(ckpt.last_target(dirpath) or "")
+        for path in named[self.keep_last:]:
+            if os.path.realpath(path) != last:
+                ckpt.remove_entry(path)
 
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         """Top-k removals wait while ``last.ckpt`` still points at the checkpoint (until it is switched)."""

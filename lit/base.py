@@ -100,6 +100,7 @@ class ExpertModule(LightningModule):
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
         self._micro: dict[str, int] = {}
         self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
+        self._frozen_digests: dict[str, str] = {}  # frozen expert -> SHA-256 of its weights (computed once)
         self._deferred_logs: dict[str, tuple] = {}  # name -> (hook, value, kwargs) of a deferred self.log
         self.generator = torch.Generator().manual_seed(self.run.seed)
         # draws every process must agree on (e.g. Self-Forcing's exit step): seeded alike on all ranks
@@ -459,6 +460,18 @@ class ExpertModule(LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # frozen experts read from a file are not saved (the UMT5 of Wan 1.3B alone is ~23 GB in fp32): a resume
+        # reloads them from their source and refuses a source that changed since
+        frozen = {}
+        for name in self.card.reloadable():
+            prefix = f"card.models.{name}."
+            keys = [k for k in checkpoint.get("state_dict", {}) if k.startswith(prefix)]
+            if keys:
+                for key in keys:
+                    del checkpoint["state_dict"][key]
+                if name not in self._frozen_digests:
+                    self._frozen_digests[name] = self.card.weights_digest(name)
+                frozen[name] = {"sha256": self._frozen_digests[name], "source": self.card.sources()[name]}
         generators = [self.generator.get_state()]
         if dist.is_available() and dist.is_initialized():
             generators = [None] * dist.get_world_size()
@@ -470,6 +483,7 @@ class ExpertModule(LightningModule):
             "sources": self.card.sources(),
             "serving": self.serving_settings(),
             "run": {"wandb_id": self._wandb_id()},
+            "frozen": frozen,
             "generators": generators,
             "shared_generator": self.shared_generator.get_state(),
             "micro": dict(self._micro),
@@ -492,6 +506,7 @@ class ExpertModule(LightningModule):
             raise ValueError("this checkpoint was not written by posttrain (no 'posttrain' entry); "
                              "load plain weights with `pretrained:` on the expert instead")
         check_signature(state["signature"], self.card.signature())
+        self._restore_frozen(checkpoint, state.get("frozen") or {})
         generators = state["generators"]
         self.generator.set_state(generators[self.global_rank % len(generators)])
         if "shared_generator" in state:
@@ -503,6 +518,22 @@ class ExpertModule(LightningModule):
         random.setstate(state["rng"]["python"])
         if state["rng"].get("cuda") and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+    def _restore_frozen(self, checkpoint: dict, frozen: dict) -> None:
+        """Put back the frozen experts the checkpoint left out, from their sources, after checking that each
+        source still holds the weights the checkpoint was trained with."""
+        for name, saved in frozen.items():
+            digest = self._frozen_digests.setdefault(name, self.card.weights_digest(name))
+            if digest != saved["sha256"]:
+                source = saved.get("source") or {}
+                where = source.get("pretrained") or f"the shipped {source.get('arch')!r} weights"
+                raise ValueError(f"frozen expert {name!r} is not the one this checkpoint was trained with: its source "
+                                 f"({where}) changed since (weights SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…). "
+                                 f"Restore that source, or start a new run from the checkpoint's trained experts")
+            prefix = f"card.models.{name}."
+            for key, value in self.card.models[name].state_dict().items():
+                checkpoint["state_dict"][prefix + key] = value
 
 
 def read_run_meta(path: str) -> Optional[dict]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Optional
 
@@ -279,6 +280,26 @@ class ModelCard(nn.Module):
                        "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora),
                        "init_from": spec.init_from}
                 for name, spec in self.specs.items()}
+
+    def reloadable(self) -> list[str]:
+        """Frozen experts whose weights a file holds (``pretrained`` or a shipped trained asset): checkpoints leave
+        them out and a resume reloads them from there. A frozen expert of random preset weights (no file) stays
+        in checkpoints; so do roles (EMA, old, reference), which move or copy a trained expert."""
+        names = []
+        for name, spec in self.specs.items():
+            from_file = spec.pretrained is not None or (spec.arch in presets.TRAINED_ASSETS and not spec.preset)
+            if not spec.trainable and from_file and spec.init_from is None and name in self.models:
+                names.append(name)
+        return names
+
+    def weights_digest(self, name: str) -> str:
+        """SHA-256 of expert ``name``'s weights (names, dtypes, shapes, bytes), to tell that a source changed."""
+        digest = hashlib.sha256()
+        for key, tensor in sorted(self.models[name].state_dict().items()):
+            tensor = tensor.detach().cpu().contiguous()
+            digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return digest.hexdigest()
 
     def describe(self) -> dict[str, Any]:
         return {name: asdict(spec) | {"optimizer": repr(spec.optimizer)} for name, spec in self.specs.items()}
