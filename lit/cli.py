@@ -37,7 +37,7 @@ from posttrain.callbacks.progress import ExpertSummary, IterationProgressBar
 from posttrain.lit.base import ExpertModule
 
 SUBCOMMANDS = ("fit", "validate", "predict")
-TOOLS = ("export",)
+TOOLS = ("export", "estimate")
 
 
 class LoggedConfig(SaveConfigCallback):
@@ -74,7 +74,7 @@ class PosttrainCLI(LightningCLI):
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
         # listed in --help; `main` runs them before LightningCLI is built
-        for name, parser_of in (("export", export_parser),):
+        for name, parser_of in (("export", export_parser), ("estimate", estimate_parser)):
             tool = parser_of()
             parser._subcommands_action.add_subcommand(name, tool, help=tool.description.splitlines()[0])
 
@@ -186,6 +186,14 @@ def export_parser() -> ArgumentParser:
     return parser
 
 
+def estimate_parser() -> ArgumentParser:
+    from posttrain.lit.estimate import estimate
+
+    parser = ArgumentParser(prog="posttrain estimate", description=estimate.__doc__, exit_on_error=False)
+    parser.add_function_arguments(estimate, as_positional=False)
+    return parser
+
+
 # ---------------------------------------------------------------------- errors a user can act on
 NOISE = (
     re.compile(r"^\s*-?\s*Does not validate against any of the Union subtypes\s*$"),
@@ -270,10 +278,15 @@ def main(args: Optional[list[str]] = None) -> None:
     quiet_dependencies()
     command = argv[0] if argv and not argv[0].startswith("-") else "posttrain"
     try:
-        if command in TOOLS:
+        if command == "export":
             from posttrain.lit.export import export
 
             print(export(**export_parser().parse_args(argv[1:]).as_dict()))
+            return
+        if command == "estimate":
+            from posttrain.lit.estimate import estimate
+
+            print(estimate(**estimate_parser().parse_args(argv[1:]).as_dict()))
             return
         # LightningCLI reads sys.argv itself when `args` is None (passing both makes it warn)
         PosttrainCLI(args=None if args is None else argv, exit_on_error=False)

@@ -190,3 +190,12 @@ def test_trainer_precision_applies_to_plain_experts(tmp_path):
     assert half.model_state_bytes * 2 == full.model_state_bytes and mixed.model_state_bytes == full.model_state_bytes
     assert results["bf16-true"]["vae"].param_bytes * 2 == results["32-true"]["vae"].param_bytes
     assert mixed.activation_bytes < 0.9 * full.activation_bytes
+
+
+def test_estimate_is_a_subcommand(capsys):
+    from posttrain.lit.cli import main
+
+    main(["estimate", "--config", os.path.join(ROOT, "configs", "finetune.yaml"), "--devices", "2",
+          "--activations", "false"])
+    out = capsys.readouterr().out
+    assert "2 process(es)" in out and "transformer" in out and "total" in out, out

@@ -1,0 +1,48 @@
+"""Write the *config files only* of the real models the recipes name, in the diffusers / transformers folder
+layout, so that ``posttrain estimate`` (which builds every expert on the meta device from its config) runs on
+the recipes without the weights. No weights are written and nothing is downloaded: the configs are those the
+hub folders ship (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, Wan-AI/Wan2.1-T2V-14B-Diffusers, Qwen/Qwen2.5-0.5B-Instruct).
+
+    python scripts/config_folders.py --out /models
+    posttrain estimate --config configs/recipes/wan2.1_t2v_1.3b_finetune.yaml --devices 8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from transformers import Qwen2Config, UMT5Config
+
+WAN = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+           freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN_1_3B = dict(WAN, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+WAN_14B = dict(WAN, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu", tie_word_embeddings=False, architectures=["UMT5EncoderModel"])
+QWEN_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+                 tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+
+
+def wan_folder(root: str, transformer: dict) -> None:
+    with torch.device("meta"):
+        WanTransformer3DModel(**transformer).save_config(os.path.join(root, "transformer"))
+        AutoencoderKLWan().save_config(os.path.join(root, "vae"))  # the Wan 2.1 VAE is the class default
+    UMT5Config(**UMT5_XXL).save_pretrained(os.path.join(root, "text_encoder"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/models")
+    out = parser.parse_args().out
+    wan_folder(os.path.join(out, "Wan2.1-T2V-1.3B-Diffusers"), WAN_1_3B)
+    wan_folder(os.path.join(out, "Wan2.1-T2V-14B-Diffusers"), WAN_14B)
+    Qwen2Config(**QWEN_0_5B).save_pretrained(os.path.join(out, "Qwen2.5-0.5B-Instruct"))
+    print(f"config folders (no weights) under {out}")
+
+
+if __name__ == "__main__":
+    main()
