@@ -1,0 +1,25 @@
+"""The wheel installs one top-level package, ``posttrain`` (its folders stay at the repository's top)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_wheel_has_one_top_level_name(tmp_path):
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                            "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
+    with zipfile.ZipFile(tmp_path / wheel) as z:
+        names = z.namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"posttrain"}, top
+    for package in ("lit", "modules", "datamodules", "callbacks"):
+        assert f"posttrain/{package}/__init__.py" in names
+    assert "posttrain/__main__.py" in names
+    assert any(n.startswith("posttrain/modules/assets/") for n in names)  # the shipped tiny world
+    assert not any(n.startswith("posttrain/tests/") for n in names)
