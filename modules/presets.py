@@ -32,10 +32,12 @@ BYT5_VOCAB = 384
 TEXT_DIM = 32
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # WanTransformer3DModel, 0.15M parameters; text_dim matches the tiny UMT5's d_model.
+    # WanTransformer3DModel, 1.2M parameters; patch (1,2,2) on the 4x VAE's latents: a 5x32x32 video is
+    # 2x4x4 = 32 tokens. text_dim matches the UMT5's d_model. Without overrides it loads
+    # TRAINED_ASSETS["wan_t2v"] (scripts/train_world.py), trained jointly with that UMT5.
     "wan_t2v": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
     # Wan 2.2-style image-to-video: noisy latent (16) + mask (4) + image latent (16) channels in.
@@ -44,12 +46,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
-    # AutoencoderKLWan: 8x spatial, 4x temporal ((F-1)/4+1 latent frames), 16 latent channels. Without
-    # overrides it loads TRAINED_ASSETS["wan_vae"]: a random VAE decodes every latent to nearly one
-    # colour, so no reward on decoded pixels could move.
+    # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent
+    # channels. Without overrides it loads TRAINED_ASSETS["wan_vae"] (scripts/train_vae.py).
     "wan_vae": dict(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
-        temperal_downsample=[False, True, True],
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
     ),
     "umt5": dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
@@ -86,9 +86,11 @@ _TRANSFORMERS = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),
 }
 TEXT_ENCODERS = ("umt5", "t5")
-# Tiny presets that carry trained weights (made here from the synthetic data, no download):
-# scripts/train_tiny_vae.py trained this VAE for 3000 steps on the shape videos (7 minutes on a CPU).
-TRAINED_ASSETS = {"wan_vae": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_wan_vae")}
+# Presets that carry trained weights, made here from the synthetic data (no download) by the scripts
+# named, and loaded through ``from_pretrained`` like any local checkpoint (times on 2 CPU cores):
+# scripts/train_vae.py (the VAE), then scripts/train_world.py (the UMT5 and the Wan generator, jointly).
+_ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+TRAINED_ASSETS = {arch: os.path.join(_ASSETS, arch) for arch in ("wan_vae", "umt5", "wan_t2v")}
 
 
 def model_class(arch: str) -> type[torch.nn.Module]:

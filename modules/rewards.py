@@ -24,6 +24,8 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn.functional as F
 
+from posttrain.modules.geneval import judge
+
 # The palette of the synthetic shape videos (``posttrain.datamodules.synthetic.COLOURS``, RGB in [0, 1]). A copy,
 # because modules/ must not import the datamodules (they import Lightning); a test keeps them equal.
 PALETTE: dict[str, tuple[float, float, float]] = {
@@ -154,6 +156,36 @@ class ColourAlignment(Reward):
                 distance[b] = (mean_rgb[b] - target.to(media.device)).norm()
                 total[b] = 1 - distance[b] / (2 * math.sqrt(3))
         return RewardOutput(total, {"distance": distance})
+
+
+class SyntheticGenEvalReward(Reward):
+    """Synthetic GenEval as a reward, the way Flow-GRPO optimises GenEval: per sample, one term per fact
+    of the synthetic world (``shape``, ``colour``, ``background``, ``motion``: 1 when the video shows what
+    the prompt names, else 0, read back from pixels by ``modules/geneval.py``) and a total of either the
+    mean of the facts the prompt names (``total="mean"``, a denser signal) or 1 only when all of them
+    are shown (``"all"``, GenEval's strict score). A fact the prompt does not name scores 0 in its term
+    and does not count in the total; a prompt naming none stops with an error. Scores the original
+    prompt under joint RL.
+
+    Args:
+        total: how the facts combine into the total.
+        min_motion: the shape's path, in frames, below which the video shows no motion.
+    """
+
+    def __init__(self, total: Literal["mean", "all"] = "mean", min_motion: float = 0.05):
+        if total not in ("mean", "all"):
+            raise ValueError(f"SyntheticGenEvalReward: total={total!r}; choose 'mean' or 'all'")
+        self.total, self.min_motion = total, min_motion
+
+    def __call__(self, media, prompts, context=None) -> RewardOutput:
+        verdicts = judge(media.detach(), prompts_for_scoring(prompts, context), self.min_motion)
+        table = torch.stack(list(verdicts.values()), dim=1)  # (B, 4): 1 shown, 0 not, NaN not asked
+        asked = ~table.isnan()
+        if self.total == "mean":
+            total = table.nan_to_num(0.0).sum(1) / asked.sum(1)
+        else:
+            total = (table.nan_to_num(1.0) == 1).all(1).float()
+        return RewardOutput(total, {fact: v.nan_to_num(0.0) for fact, v in verdicts.items()})
 
 
 class JpegCompressibility(Reward):

@@ -20,7 +20,8 @@ def _wan_stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor,
 @torch.no_grad()
 def encode(vae: torch.nn.Module, video: torch.Tensor, sample: bool = False,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, C, F, H, W) pixels -> (B, z, F', H/8, W/8) normalized float32 latents (mode unless ``sample``)."""
+    """(B, C, F, H, W) pixels -> (B, z, F', H/s, W/s) normalized float32 latents (mode unless ``sample``);
+    s is the VAE's spatial compression (``spatial_factor``)."""
     dtype = next(vae.parameters()).dtype
     if isinstance(vae, AutoencoderKLWan):
         dist = vae.encode(video.to(dtype)).latent_dist
@@ -51,11 +52,20 @@ def decode(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"no latent codec for {type(vae).__name__}")
 
 
+def spatial_factor(vae: torch.nn.Module) -> int:
+    """Pixels per latent pixel along H and W: 2 per down level (diffusers' ``vae_scale_factor``)."""
+    if isinstance(vae, AutoencoderKLWan):
+        return 2 ** len(vae.config.temperal_downsample)
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
 def latent_shape(vae: torch.nn.Module, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
     """(C, F', h, w) of the latents of a (frames, height, width) video."""
+    s = spatial_factor(vae)
     if isinstance(vae, AutoencoderKLWan):
-        if (frames - 1) % 4 or height % 8 or width % 8:
-            raise ValueError(f"Wan VAE needs frames = 4k+1 and H, W multiples of 8; got {frames}x{height}x{width}")
-        return vae.config.z_dim, (frames - 1) // 4 + 1, height // 8, width // 8
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    return vae.config.latent_channels, frames, height // factor, width // factor
+        t = 2 ** sum(vae.config.temperal_downsample)
+        if (frames - 1) % t or height % s or width % s:
+            raise ValueError(f"this Wan VAE needs frames = {t}k+1 and H, W multiples of {s}; "
+                             f"got {frames}x{height}x{width}")
+        return vae.config.z_dim, (frames - 1) // t + 1, height // s, width // s
+    return vae.config.latent_channels, frames, height // s, width // s
