@@ -107,7 +107,7 @@ class SyntheticVideos(ResumableDataModule):
             ``"colour:magenta"``; see the module docstring).
     """
 
-    def __init__(self, num_samples: int = 512, val_samples: int = 8, frames: int = 9, height: int = 32,
+    def __init__(self, num_samples: int = 512, val_samples: int = 8, frames: int = 5, height: int = 32,
                  width: int = 32, batch_size: int = 4, num_workers: int = 0, seed: int = 0,
                  exclude: Sequence[str] = (), include: Sequence[str] = ()):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)

@@ -39,9 +39,9 @@ from posttrain.modules.text import embed_prompts
 
 def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str) -> tuple[torch.Tensor, list[str]]:
     """(N, z, F', h, w) normalized latents of the pretraining videos and their captions, cached on disk
-    (the cache is keyed by the arguments and the VAE's weights)."""
-    vae_sum = sum(float(p.double().sum()) for p in vae.parameters())
-    key = f"{num_videos}-{frames}-{size}-{'-'.join(PRETRAIN_EXCLUDE)}-{vae_sum:.6f}"
+    (keyed by the arguments and the VAE's encoder: a retrained decoder does not move the latents)."""
+    encoder_sum = sum(float(p.double().sum()) for p in [*vae.encoder.parameters(), *vae.quant_conv.parameters()])
+    key = f"{num_videos}-{frames}-{size}-{'-'.join(PRETRAIN_EXCLUDE)}-{encoder_sum:.6f}-{vae.config.latents_mean}"
     if os.path.exists(cache):
         stored = load_file(cache)
         meta = json.loads(bytes(stored["meta"].tolist()).decode())
@@ -77,13 +77,13 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=90.0, help="stop after this much wall time")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ema", type=float, default=0.995)
+    parser.add_argument("--ema", type=float, default=0.998)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--text-max-length", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale of the evaluation samples")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (on a shared machine more spin)")
     parser.add_argument("--cache", default="runs/world/latents.safetensors")
     parser.add_argument("--out", default="modules/assets")
     args = parser.parse_args()
@@ -119,6 +119,9 @@ def main() -> None:
                                         text_max_length=args.text_max_length)
             scores[name] = {k: round(float(v), 3) for k, v in result.items()}
         print("geneval", json.dumps(scores), flush=True)
+        # save at every evaluation, so a run stopped early still leaves its latest assets
+        encoder_ema.save_pretrained(os.path.join(args.out, "umt5"), safe_serialization=True)
+        transformer_ema.save_pretrained(os.path.join(args.out, "wan_t2v"), safe_serialization=True)
         return scores
 
     g = torch.Generator().manual_seed(0)
@@ -149,9 +152,6 @@ def main() -> None:
             history.append(evaluate(step))
     if not history or history[-1]["step"] != step:
         history.append(evaluate(step))
-
-    encoder_ema.save_pretrained(os.path.join(args.out, "umt5"), safe_serialization=True)
-    transformer_ema.save_pretrained(os.path.join(args.out, "wan_t2v"), safe_serialization=True)
     print(f"saved {args.out}/umt5 and {args.out}/wan_t2v after {step} steps, {(time.time() - start) / 60:.1f} min")
 
 

@@ -162,7 +162,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
     assert len(calls) == 3 and len(list(cache.iterdir())) == 3
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"latents", "prompt", "index"}
-    assert batch["latents"].shape == (3, 16, 2, 2, 2)  # (B, z, (F-1)/4+1, H/8, W/8)
+    assert batch["latents"].shape == (3, 16, 2, 4, 4)  # (B, z, (F-1)/4+1, H/4, W/4): the 4x world VAE
     # the cached latents are what the VAE gives for the same pixels
     item = dm.train_dataset()[0]
     model = build_model("wan_vae", pretrained=vae.pretrained).eval()
@@ -175,7 +175,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
 
     stale = loaded(frames=5, height=24, width=16)  # other size: new entries, the old ones are not read
     assert len(calls) == 3 and len(list(cache.iterdir())) == 6
-    assert next(iter(stale.train_dataloader()))["latents"].shape == (3, 16, 2, 3, 2)
+    assert next(iter(stale.train_dataloader()))["latents"].shape == (3, 16, 2, 6, 4)
     calls.clear()
 
     clip(clips / "a.mp4", frames=12, colour="green")  # edited file: only it is encoded again
