@@ -18,12 +18,18 @@ def adamw(lr: float = 1e-3, **kwargs):
     return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **kwargs)
 
 
+# A random 0.15M-parameter Wan generator for the method tests (any preset override gives random
+# weights): they measure learning against a control from scratch, fast. The pretrained world's
+# generator (``wan_t2v`` without overrides) is tested in test_world.py.
+TINY_WAN = {"num_attention_heads": 2, "ffn_dim": 128, "num_layers": 2}
+
+
 def wan_card(lr: float = 1e-3, extra: dict[str, Expert] | None = None, **card_kwargs) -> ModelCard:
-    """text encoder + VAE (frozen) + trainable Wan transformer, all tiny presets."""
+    """the pretrained world's text encoder and VAE (frozen) + a trainable tiny random Wan transformer."""
     experts = {
         "text_encoder": Expert(arch="umt5"),
         "vae": Expert(arch="wan_vae"),
-        "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr)),
+        "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr)),
     }
     experts.update(extra or {})
     return ModelCard(experts=experts, text_max_length=32, **card_kwargs)

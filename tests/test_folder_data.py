@@ -17,6 +17,7 @@ from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.media import write_media
 from posttrain.modules.presets import build_model
+from tests.conftest import TINY_WAN
 
 RED = torch.tensor(COLOURS["red"]) * 2 - 1  # the shapes' colours in [-1, 1]
 BLUE = torch.tensor(COLOURS["blue"]) * 2 - 1
@@ -193,7 +194,8 @@ def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_pa
     seed_everything(0)
     card = ModelCard(experts={
         "text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
-        "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
+        "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True,
+                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
         text_max_length=32)
     module = Finetune(card, frames=5, height=16, width=16)
 
