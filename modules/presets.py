@@ -47,11 +47,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
     # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent
-    # channels, a decoder twice as wide as the encoder. Without overrides it loads
-    # TRAINED_ASSETS["wan_vae"] (scripts/train_vae.py).
+    # channels, encoder and decoder of width 16 (0.13M parameters). Without overrides it loads
+    # TRAINED_ASSETS["wan_vae"] (scripts/train_vae.py), which is exactly this architecture.
     "wan_vae": dict(
-        base_dim=16, decoder_base_dim=32, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0,
-        temperal_downsample=[True, True], scale_factor_spatial=4, scale_factor_temporal=4,
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
+        scale_factor_spatial=4, scale_factor_temporal=4,
     ),
     "umt5": dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
