@@ -1,0 +1,6 @@
+"""LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists."""
+from posttrain.datamodules.folder import VideoFolder
+from posttrain.datamodules.prompts import Prompts
+from posttrain.datamodules.synthetic import SyntheticVideos
+
+__all__ = ["SyntheticVideos", "VideoFolder", "Prompts"]

@@ -2,21 +2,27 @@
 
 It owns plumbing only — never a method's algorithm:
 - ``configure_optimizers``: one optimizer (and optional scheduler) per trainable expert of the card;
-- ``step_experts(loss, experts)``: one backward, then per expert accumulation, gradient clipping,
-  a non-finite guard and the optimizer step, logging ``train/grad_norm/<expert>``, ``train/lr/<expert>``;
+- ``step_experts(losses, experts)``: back the loss (or a list of per-step losses, one at a time) up into
+  ``experts`` only — a loss whose graph reaches another trainable expert is refused before its backward —
+  then per expert accumulation, gradient clipping, a non-finite guard and the optimizer step, logging
+  ``train/grad_norm/<expert>``, ``train/lr/<expert>``;
 - iterations: Lightning counts every ``optimizer.step()`` in ``global_step``; here optimizers are
   stepped raw and ``callbacks.IterationCounter`` advances ``global_step`` once per training batch, so
   ``max_steps``, logging and checkpoint cadence count iterations whatever the number of experts;
-- exact resume: the method's noise generator, the global RNGs, accumulation counters and the card's
-  signature travel in the checkpoint; a checkpoint of another card is refused before anything loads;
-- ``generate``: the serving path (same sampler as every rollout), used by ``predict`` and sample logging.
+- exact resume: the method's noise generators (``generator``, one stream per process, and
+  ``shared_generator``, the same stream on every process), the global RNGs, accumulation counters and the
+  card's signature travel in the checkpoint; a checkpoint of another card is refused before anything loads;
+- ``generate``: the serving path (the one sampler, through the generator stage), used by ``predict``,
+  sample logging and evaluation.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import random
-from typing import Any, Optional
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -24,16 +30,52 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from posttrain.callbacks.iterations import IterationCounter
 from posttrain.callbacks.versions import SyncPlan, WeightVersions
-from posttrain.modules import vae as vae_codec
+from posttrain.modules import presets
 from posttrain.modules.cards import ModelCard
-from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
+from posttrain.modules.generators import GeneratorStage, VideoSize
+from posttrain.modules.samplers import FlowMatchSampler
+
+# Frozen experts are in eval mode on purpose (no dropout: the same input gives the same output); Lightning
+# warns about any module in eval mode when fit starts. This filter drops exactly that warning.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training",
+                        category=PossibleUserWarning)
+
+# one scalar loss, or per-step losses computed one at a time (each backed up before the next is computed)
+Losses = Union[torch.Tensor, Sequence[Callable[[], torch.Tensor]]]
 
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class GradientLeakError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunArgs:
+    """Settings every method shares (grouped once, as litgpt groups its arguments).
+
+    Args:
+        frames, height, width: pixel size of what the method generates (rollouts, sample videos,
+            ``predict``); a video datamodule takes the same size (the CLI links them).
+        seed: seed of the method's own noise generator (offset by the process rank).
+        max_nan_steps: stop after this many iterations in a row whose loss was not finite.
+    """
+
+    frames: int = 9
+    height: int = 32
+    width: int = 32
+    seed: int = 0
+    max_nan_steps: int = 3
+
+    @property
+    def video(self) -> VideoSize:
+        return VideoSize(self.frames, self.height, self.width)
 
 
 class ExpertModule(LightningModule):
@@ -42,33 +84,43 @@ class ExpertModule(LightningModule):
     Args:
         card: the experts.
         sampler: the serving sampler (``predict``, sample logging); rollouts use it with ``sde=True``.
-        seed: seed of the method's own noise generator (offset by the process rank).
-        max_nan_steps: stop after this many iterations in a row whose loss was not finite.
-        frames, height, width: size of generated videos (pixels).
+        run: size of generated videos, seed, NaN tolerance.
     """
 
-    def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, seed: int = 0,
-                 max_nan_steps: int = 3, frames: int = 9, height: int = 32, width: int = 32):
+    def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, run: Optional[RunArgs] = None):
         super().__init__()
         self.automatic_optimization = False
         self.card = card
         self.sampler = sampler or FlowMatchSampler()
-        self.seed = seed
-        self.max_nan_steps = max_nan_steps
-        self.frames, self.height, self.width = frames, height, width
+        self.run = run or RunArgs()
+        self.stage = GeneratorStage(card)  # the card's generator: transformer + vae + its text encoders
         self.sync_plans: list[SyncPlan] = []
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
         self._micro: dict[str, int] = {}
         self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(self.run.seed)
+        # draws every process must agree on (e.g. Self-Forcing's exit step): seeded alike on all ranks
+        self.shared_generator = torch.Generator().manual_seed(self.run.seed)
 
-    @staticmethod
-    def card_problems(card: ModelCard, method: str, trains: tuple[str, ...] = ("transformer",),
-                      needs: tuple[str, ...] = ("text_encoder", "vae")) -> list[str]:
-        """The card-shape problems of a method that trains ``trains`` and reads ``needs``."""
-        problems = [f"the card has no {name!r}" for name in (*trains, *needs) if not card.has(name)]
+    @property
+    def video(self) -> VideoSize:
+        return self.run.video
+
+    def card_problems(self, method: str, trains: tuple[str, ...] = ("transformer",)) -> list[str]:
+        """The card-shape problems of a method that trains ``trains`` with the card's generator stage."""
+        problems = [p for p in self.stage.problems()]
+        problems += [f"the card has no {name!r}" for name in trains if not self.card.has(name)
+                     and f"the card has no {name!r}" not in problems]
         problems += [f"{method} trains `{name}`: set `trainable: true` and give it an optimizer"
-                     for name in trains if card.has(name) and not card.specs[name].trainable]
+                     for name in trains if name in self.card.specs and not self.card.specs[name].trainable]
+        generator = self.card.specs.get(self.stage.transformer)
+        if self.sampler.chunk_frames is not None and generator is not None \
+                and not hasattr(presets.model_class(generator.arch), "new_cache"):
+            problems.append(f"sampler.chunk_frames={self.sampler.chunk_frames} samples chunk by chunk with a KV "
+                            f"cache, but `{self.stage.transformer}` has arch {generator.arch!r}, which is not "
+                            f"block-causal: set `arch: wan_t2v_causal`, or sampler.chunk_frames: null")
+        if self.run.max_nan_steps < 1:
+            problems.append(f"run.max_nan_steps={self.run.max_nan_steps} must be >= 1")
         return problems
 
     # ------------------------------------------------------------------ setup
@@ -81,11 +133,22 @@ class ExpertModule(LightningModule):
             gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
             with gathered(self.card):
                 self.setup_roles()
+        shape = self.stage.latent_shape(self.video)  # a size the VAE and the patch size cannot take stops here
+        chunk = self.sampler.chunk_frames
+        if chunk is not None and shape[1] % chunk:
+            raise ValueError(f"sampler.chunk_frames={chunk} does not divide the {shape[1]} latent frames of "
+                             f"run.frames={self.video.frames}: choose a divisor of {shape[1]}, or frames giving a "
+                             f"multiple of {chunk} latent frames")
 
     def setup_roles(self) -> None:
         """Methods add frozen roles (``card.add_role``) and sync plans here, after the card is built."""
 
     def setup(self, stage: str) -> None:
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:  # float16 AMP (GPU)
+            raise ValueError(
+                f"trainer.precision={self.trainer.precision}: float16 mixed precision needs a gradient scaler per "
+                f"expert, and experts are stepped by hand here without one; use `precision: bf16-mixed` (no scaler "
+                f"needed) or `dtype: bfloat16` on the experts")
         sharded = [name for name, spec in self.card.specs.items() if spec.sharded]
         if sharded and not hasattr(self.trainer.strategy, "expert_backward"):
             raise ValueError(
@@ -101,7 +164,8 @@ class ExpertModule(LightningModule):
                 f"experts {plain} train under DDP with separate backward passes, which needs "
                 f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
                 f"`{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
-        self.generator = torch.Generator().manual_seed(self.seed + self.global_rank)
+        self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
+        self.shared_generator = torch.Generator().manual_seed(self.run.seed)
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
@@ -156,44 +220,94 @@ class ExpertModule(LightningModule):
         schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
         return schedulers[with_sched.index(name)]
 
-    def backward_experts(self, loss: torch.Tensor, experts: list[str]) -> None:
-        """One backward for ``experts``; a sharded strategy routes it through their DeepSpeed engines."""
+    def backward_experts(self, loss: torch.Tensor, experts: list[str], last: bool = True) -> None:
+        """One backward for ``experts``; a sharded strategy routes it through their DeepSpeed engines
+        (``last``: the final backward of this iteration, DeepSpeed's accumulation boundary)."""
         strategy = self.trainer.strategy
         if hasattr(strategy, "expert_backward"):
-            strategy.expert_backward(self, loss, experts)
+            strategy.expert_backward(self, loss, experts, last=last)
         else:
             self.manual_backward(loss)
 
-    def step_experts(self, loss: torch.Tensor, experts: list[str]) -> bool:
-        """Backward ``loss`` once and step every expert in ``experts`` that is due; False if skipped.
+    def step_experts(self, losses: Losses, experts: list[str]) -> bool:
+        """Back ``losses`` up into ``experts`` and step every one of them that is due; False if skipped.
 
-        A non-finite loss (on any process) skips all of them (no backward, gradients cleared,
+        ``losses`` is one scalar, or a list of zero-argument callables each returning a scalar (the
+        per-step losses of a rollout): each is computed and backed up before the next is computed, so
+        activation memory holds one of them (gradients accumulate; the caller scales each part).
+        A non-finite loss (on any process) skips all of ``experts`` (gradients cleared,
         ``train/nan_skipped`` logged); a non-finite gradient norm skips that expert only (gradients are
-        all-reduced, so every process agrees). No NaN ever reaches a weight.
+        all-reduced, so every process agrees). No NaN ever reaches a weight. A loss whose autograd graph
+        reaches a trainable expert not in ``experts`` (sharded or not) raises ``GradientLeakError`` before
+        its backward, and so does a backward that wrote into one anyway (a reentrant checkpoint hides
+        parameters from the graph): those gradients would silently join that expert's next step.
         """
-        # decided on all ranks together: one rank skipping its backward would leave DDP's others waiting
-        if self.any_rank(not bool(torch.isfinite(loss.detach()).all())):
-            for name in experts:
-                self._nan_streak[name] = self._nan_streak.get(name, 0) + 1
-                self.optimizer_of(name).zero_grad(set_to_none=True)
-                self.log(f"train/nan_skipped/{name}", 1.0, on_step=True)
-            streak = max(self._nan_streak[name] for name in experts)
-            rank_zero_warn(f"iteration {self.global_step}: loss of {experts} is {loss.item()}; step skipped "
-                           f"({streak}/{self.max_nan_steps} in a row)")
-            if streak >= self.max_nan_steps:
-                raise NonFiniteLossError(
-                    f"the loss of {experts} was not finite for {streak} iterations in a row "
-                    f"(max_nan_steps={self.max_nan_steps}); no NaN was written to the weights. Lower the "
-                    f"learning rate, check the data and rewards, or raise model.init_args.max_nan_steps.")
-            return False
+        parts = [lambda: losses] if isinstance(losses, torch.Tensor) else list(losses)
+        guard = self._grad_snapshot(experts)
+        for i, part in enumerate(parts):
+            loss = part()
+            leaked = sorted(self._experts_in_graph(loss) - set(experts))
+            if leaked:
+                raise GradientLeakError(self._leak_message(experts, leaked, "would write"))
+            # decided on all ranks together: one rank skipping its backward would leave DDP's others waiting
+            if self.any_rank(not bool(torch.isfinite(loss.detach()).all())):
+                self._skip_non_finite(loss, experts)
+                return False
+            self.backward_experts(loss, experts, last=i == len(parts) - 1)
+        self._check_no_leak(guard, experts)
         for name in experts:
             self._nan_streak[name] = 0
-        self.backward_experts(loss, experts)
-        for name in experts:
             self._micro[name] = self._micro.get(name, 0) + 1
             if self._micro[name] % self.card.specs[name].accumulate == 0:
                 self._step_one(name)
         return True
+
+    def _skip_non_finite(self, loss: torch.Tensor, experts: list[str]) -> None:
+        for name in experts:
+            self._nan_streak[name] = self._nan_streak.get(name, 0) + 1
+            self.optimizer_of(name).zero_grad(set_to_none=True)
+            self.log(f"train/nan_skipped/{name}", 1.0, on_step=True)
+        streak = max(self._nan_streak[name] for name in experts)
+        rank_zero_warn(f"iteration {self.global_step}: loss of {experts} is {loss.item()}; step skipped "
+                       f"({streak}/{self.run.max_nan_steps} in a row)")
+        if streak >= self.run.max_nan_steps:
+            raise NonFiniteLossError(
+                f"the loss of {experts} was not finite for {streak} iterations in a row "
+                f"(run.max_nan_steps={self.run.max_nan_steps}); no NaN was written to the weights. Lower the "
+                f"learning rate, check the data and rewards, or raise model.init_args.run.max_nan_steps.")
+
+    def _grad_snapshot(self, experts: list[str]) -> list[tuple[str, torch.nn.Parameter, Optional[int]]]:
+        """(expert, parameter, gradient version or None) of every plain trainable expert not in ``experts``."""
+        others = [n for n in self.plain_trainable if n not in experts]
+        return [(n, p, None if p.grad is None else p.grad._version) for n in others
+                for p in self.card.parameters_of(n)]
+
+    def _experts_in_graph(self, loss: torch.Tensor) -> set[str]:
+        """The trainable experts whose parameters ``loss``'s autograd graph reaches (its AccumulateGrad leaves)."""
+        owner = {id(p): name for name in self.card.trainable for p in self.card.parameters_of(name)}
+        found, seen, stack = set(), set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in owner:
+                found.add(owner[id(variable)])
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return found
+
+    def _check_no_leak(self, snapshot, experts: list[str]) -> None:
+        leaked = sorted({n for n, p, version in snapshot
+                         if (p.grad is not None) and (version is None or p.grad._version != version)})
+        if leaked:
+            raise GradientLeakError(self._leak_message(experts, leaked, "wrote"))
+
+    @staticmethod
+    def _leak_message(experts: list[str], leaked: list[str], verb: str) -> str:
+        return (f"a backward meant for {experts} {verb} gradients into {leaked}: their forward ran with grad "
+                f"inside this loss. Run it under `torch.no_grad()` (or detach its output), or step those "
+                f"experts from this loss too.")
 
     def _step_one(self, name: str) -> None:
         spec = self.card.specs[name]
@@ -228,26 +342,35 @@ class ExpertModule(LightningModule):
         """The generator that serves samples: its EMA copy when the method keeps one."""
         return "transformer_ema" if "transformer_ema" in self.card.models else "transformer"
 
-    def conditioning(self, prompts: list[str],
-                     guidance_scale: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(B, L, D) prompt embeddings and, when CFG is on, the empty prompt's (cached like any prompt)."""
-        cond = self.card.prompt_embeds(prompts).to(self.device)
-        if guidance_scale == 1.0:
-            return cond, None
-        return cond, self.card.prompt_embeds([""] * len(prompts)).to(self.device)
+    def conditioning(self, prompts: list[str], guidance_scale: float):
+        """``prompts``' conditioning and, when CFG is on, the empty prompt's (cached like any prompt)."""
+        return self.stage.conditioning(prompts, guidance_scale, self.device)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False) -> torch.Tensor:
-        """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: ODE sampling, then VAE decoding."""
-        shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
+        """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: the sampler's loop over the serving transformer
+        (chunk by chunk for a block-causal one), then VAE decoding. The noise is ``torch.randn`` of one CPU
+        generator seeded with ``seed``, in the latent shape the diffusers pipeline uses, so
+        ``WanPipeline(latents=that noise)`` reproduces it."""
+        shape = self.stage.latent_shape(self.video)
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)
         cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale)
-        with self.card.use(self.serving_transformer) as transformer:
-            traj = self.sampler.sample(wan_velocity(transformer), noise, cond, uncond)
-        if latents_only:
-            return traj.latents
-        return vae_codec.decode(self.card["vae"], traj.latents)
+        # the same generator draws any later noise (a few-step student's re-noise steps)
+        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer,
+                                 generator=generator)
+        return traj.latents if latents_only else self.stage.decode(traj.latents)
+
+    def serving_settings(self) -> dict[str, Any]:
+        """What export writes beside the weights so a diffusers pipeline serves as ``predict`` does: the
+        scheduler (class and config), steps, guidance, text length, size, the serving transformer."""
+        scheduler = self.sampler.scheduler
+        return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
+                "num_inference_steps": self.sampler.num_steps, "guidance_scale": self.sampler.guidance_scale,
+                "sigmas": self.sampler.step_sigmas, "chunk_frames": self.sampler.chunk_frames,
+                "max_sequence_length": self.card.text_max_length, "num_frames": self.video.frames,
+                "height": self.video.height, "width": self.video.width, "transformer": self.serving_transformer,
+                "generator": self.stage.transformer, "vae": self.stage.vae, "text_encoders": list(self.stage.encoders)}
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         seeds = batch.get("seed")
@@ -264,11 +387,23 @@ class ExpertModule(LightningModule):
             "signature": self.card.signature(),
             "configs": {name: model_config(model) for name, model in self.card.models.items()},
             "arch": {name: spec.arch for name, spec in self.card.specs.items()},
+            "sources": self.card.sources(),
+            "serving": self.serving_settings(),
+            "run": {"wandb_id": self._wandb_id()},
             "generators": generators,
+            "shared_generator": self.shared_generator.get_state(),
             "micro": dict(self._micro),
             "nan_streak": dict(self._nan_streak),
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate()},
         }
+
+    def _wandb_id(self) -> Optional[str]:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in (self._trainer.loggers if self._trainer is not None else []):
+            if isinstance(logger, WandbLogger):
+                return str(logger.version)
+        return None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("posttrain")
@@ -278,11 +413,27 @@ class ExpertModule(LightningModule):
         check_signature(state["signature"], self.card.signature())
         generators = state["generators"]
         self.generator.set_state(generators[self.global_rank % len(generators)])
+        if "shared_generator" in state:
+            self.shared_generator.set_state(state["shared_generator"])
         self._micro = dict(state["micro"])
         self._nan_streak = dict(state["nan_streak"])
         torch.set_rng_state(state["rng"]["torch"])
         _set_numpy_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+
+
+def read_run_meta(path: str) -> Optional[dict]:
+    """The ``run`` entry (W&B run id) of a checkpoint file or folder, read without unpickling; None if absent."""
+    import os
+
+    file = os.path.join(path, "lightning.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        return None
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported when it is loaded for real
+        return None
+    return (checkpoint.get("posttrain") or {}).get("run")
 
 
 def _numpy_state() -> dict:

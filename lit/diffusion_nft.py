@@ -18,13 +18,12 @@ from typing import Literal, Optional
 import torch
 
 from posttrain.callbacks.versions import SyncPlan
-from posttrain.lit.base import ExpertModule
-from posttrain.modules import vae as vae_codec
+from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.advantages import group_advantages
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.losses import nft_loss, nft_old_decay, nft_reward_weight, noised, sample_sigmas
 from posttrain.modules.rewards import ColourAlignment, Reward, score
-from posttrain.modules.rollout import rollout, velocity_of
+from posttrain.modules.rollout import rollout
 from posttrain.modules.samplers import FlowMatchSampler
 
 
@@ -44,17 +43,16 @@ class DiffusionNFT(ExpertModule):
         adv_clip: advantages are clipped to ±adv_clip (also the loss scale).
         drop_zero_advantage: leave samples with advantage exactly 0 (r = ½) out of the update; a batch
             with none left makes no optimizer step and leaves ``old`` where it is.
+        run: size of generated videos, seed, NaN tolerance.
     """
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
                  num_samples_per_prompt: int = 4, beta: float = 1.0, kl_beta: float = 1e-4,
                  decay_type: Literal[0, 1, 2] = 1, num_timesteps: int = 2, sigma_min: float = 0.02,
                  sigma_max: float = 0.98, shift: float = 1.0, advantage_std: Literal["group", "global"] = "group",
-                 adv_clip: float = 5.0, drop_zero_advantage: bool = True, seed: int = 0, max_nan_steps: int = 3,
-                 frames: int = 9, height: int = 32, width: int = 32):
-        super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
-                         width=width)
-        problems = self.card_problems(card, "diffusion_nft")
+                 adv_clip: float = 5.0, drop_zero_advantage: bool = True, run: Optional[RunArgs] = None):
+        super().__init__(card, sampler, run)
+        problems = self.card_problems("diffusion_nft")
         if num_samples_per_prompt < 2:
             problems.append(f"num_samples_per_prompt={num_samples_per_prompt} must be >= 2: group advantages "
                             f"compare K samples of one prompt")
@@ -93,15 +91,14 @@ class DiffusionNFT(ExpertModule):
         # 1. conditioning: each prompt repeated K times (a group, encoded once by the cache)
         group_prompts = [p for p in prompts for _ in range(K)]
         group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
-        cond, uncond = self.conditioning(group_prompts, self.sampler.guidance_scale)  # (B·K, L, D)
+        cond, uncond = self.conditioning(group_prompts, self.sampler.guidance_scale)  # B·K rows
 
         # 2. roll out K clean samples per prompt from the `old` policy with the ODE sampler
-        shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
-        x0 = rollout(self.sampler, lambda: self.card.use("transformer_old"), cond, shape, self.generator,
-                     sde=False, uncond=uncond).latents  # (B·K, C, F', h, w)
+        x0 = rollout(self.stage, self.sampler, cond, self.stage.latent_shape(self.video), self.generator, sde=False,
+                     uncond=uncond, name="transformer_old").latents  # (B·K, C, F', h, w)
 
         # 3. decode and score; group advantages → optimality probability r ∈ [0, 1]
-        rewards = score(self.reward, vae_codec.decode(self.card["vae"], x0), group_prompts)
+        rewards = score(self.reward, self.stage.decode(x0), group_prompts)
         advantages = group_advantages(rewards.total, group_ids, self.advantage_std, self.adv_clip).to(self.device)
         r = nft_reward_weight(advantages, self.adv_clip)
 
@@ -115,21 +112,21 @@ class DiffusionNFT(ExpertModule):
         loss = torch.zeros((), device=self.device)
         metrics_seen = []
         if len(keep):
-            x0_k, cond_k, r_k = x0[keep], cond[keep], r[keep]
+            x0_k, cond_k, r_k = x0[keep], cond.select(keep), r[keep]
             for _ in range(self.num_timesteps):
                 sigma = sample_sigmas(len(keep), "uniform", self.generator, self.shift).to(self.device)
                 sigma = self.sigma_min + (self.sigma_max - self.sigma_min) * sigma
                 noise = torch.randn(x0_k.shape, generator=self.generator).to(x0_k)
-                x_t = noised(x0_k, noise, sigma)
+                x_t, t = noised(x0_k, noise, sigma), self.sampler.timestep_of(sigma)
                 with torch.no_grad():
-                    with velocity_of(lambda: self.card.use("transformer_old")) as old_fn:
-                        v_old = old_fn(x_t, sigma, cond_k)
+                    with self.stage.velocity("transformer_old") as old_fn:
+                        v_old = old_fn(x_t, t, cond_k)
                     v_ref = None
                     if self.kl_beta > 0:
-                        with velocity_of(lambda: self.card.use("transformer_reference")) as ref_fn:
-                            v_ref = ref_fn(x_t, sigma, cond_k)
-                with velocity_of(self.card["transformer"]) as fn:
-                    v_theta = fn(x_t, sigma, cond_k)
+                        with self.stage.velocity("transformer_reference") as ref_fn:
+                            v_ref = ref_fn(x_t, t, cond_k)
+                with self.stage.velocity("transformer") as fn:
+                    v_theta = fn(x_t, t, cond_k)
                 per_sample, metrics = nft_loss(v_theta, v_old, x_t, x0_k, sigma, r_k, self.beta, v_ref,
                                                self.kl_beta, self.adv_clip)
                 loss = loss + per_sample.mean() / self.num_timesteps

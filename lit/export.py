@@ -1,19 +1,31 @@
-"""``posttrain export``: a trained expert as a standalone ``from_pretrained`` folder.
+"""``posttrain export``: what a run trained, as folders the diffusers / transformers clients load.
 
-Reads a checkpoint written by ``posttrain fit`` (a ``.ckpt`` file, or the folder the sharded strategy
-writes) and saves one expert with the model class's own ``save_pretrained``: the folder loads with
-``WanTransformer3DModel.from_pretrained(out)`` (or ``Qwen2ForCausalLM``…) without this package.
+By default a generator exports as a **whole pipeline folder** — ``model_index.json``, ``scheduler/`` (the
+scheduler the run sampled with), ``tokenizer/``, ``text_encoder/``, ``vae/``, ``transformer/`` — that
+``WanPipeline.from_pretrained(out)`` loads and that, from the same noise, reproduces ``posttrain predict``
+(tested). The exported transformer is the one the run *serves* (``transformer_ema`` when the method
+keeps an EMA), unless ``--expert`` names another. ``serving.json`` beside it records the settings to
+call the pipeline with (steps, guidance, text length, size).
 
-    posttrain export --ckpt runs/finetune/checkpoints/last.ckpt --out exported/transformer
+- ``--pipeline false`` writes one model folder (``WanTransformer3DModel.from_pretrained(out)``); any
+  expert exports this way (``--expert refiner_0`` gives a ``Qwen2ForCausalLM`` folder).
+- A LoRA-trained generator exports its base weights plus ``pytorch_lora_weights.safetensors``, the
+  file ``pipe.load_lora_weights(out)`` reads; ``--lora merged`` fuses the adapter into the weights.
+- ``--dtype bfloat16`` casts the weights but keeps in float32 the modules the class keeps there
+  (``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=...)`` does.
+
+    posttrain export --ckpt runs/finetune/checkpoints/last.ckpt --out exported/finetune
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Literal
+from typing import Any, Literal, Optional
 
 import torch
 
 from posttrain.modules import presets
+from posttrain.modules.generators import ADAPTERS
 
 
 def load_checkpoint(ckpt: str) -> dict:
@@ -27,38 +39,127 @@ def load_checkpoint(ckpt: str) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=False)
 
 
-def export(ckpt: str, out: str, expert: str = "transformer",
-           dtype: Literal["float32", "bfloat16"] = "float32") -> str:
-    """Write ``expert`` of checkpoint ``ckpt`` to folder ``out`` in the diffusers/transformers layout.
+def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = True,
+           lora: Literal["adapter", "merged"] = "adapter", dtype: Literal["float32", "bfloat16"] = "float32",
+           overwrite: bool = False) -> str:
+    """Write what checkpoint ``ckpt`` trained to folder ``out``.
 
     Args:
-        ckpt: a ``.ckpt`` file or a sharded checkpoint folder.
-        out: the folder to write.
-        expert: the component to export (``transformer``, ``transformer_ema``, ``refiner_0``…).
-        dtype: the dtype of the written weights.
+        ckpt: a ``.ckpt`` file or a sharded checkpoint folder written by ``posttrain fit``.
+        out: the folder to write (must be empty or new unless ``overwrite``).
+        expert: the component to export; None = the transformer the run serves (its EMA when kept).
+        pipeline: a generator as a whole diffusers pipeline folder; false writes the model alone.
+        lora: a LoRA-trained expert as base weights + adapter file (``adapter``) or fused (``merged``).
+        dtype: dtype of the written weights (float32-kept modules stay float32).
+        overwrite: allow writing into a non-empty ``out``.
     """
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f"export: {out!r} is not empty; choose a new folder or pass --overwrite true")
     checkpoint = load_checkpoint(ckpt)
     meta = checkpoint.get("posttrain")
     if meta is None:
-        raise ValueError(f"{ckpt!r} was not written by posttrain fit (no 'posttrain' entry)")
-    configs, archs = meta["configs"], dict(meta["arch"])
-    for name, sig in meta["signature"].items():  # roles (transformer_ema…) share their source's arch
-        if "role_of" in sig:
-            archs[name] = archs[sig["role_of"]]
-    if expert not in configs:
-        raise ValueError(f"checkpoint has no component {expert!r}; components: {sorted(configs)}")
-    prefix = f"card.models.{expert}."
-    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    cls = presets.model_class(archs[expert])
-    config = {k: v for k, v in configs[expert].items() if not k.startswith("_")}
-    if hasattr(cls, "from_config"):
-        model = cls.from_config(config)
-    else:
-        model = cls(cls.config_class.from_dict(configs[expert]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{expert!r} weights do not fit its class {cls.__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]} (a LoRA expert: merge the adapter before export)")
-    model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
-    model.save_pretrained(out, safe_serialization=True)
+        raise ValueError(f"export: {ckpt!r} was not written by posttrain fit (no 'posttrain' entry)")
+    parts = _Parts(checkpoint, ckpt)
+    serving = meta.get("serving") or {}
+    name = expert or serving.get("transformer") or "transformer"
+    if name not in meta["configs"]:
+        raise ValueError(f"export: checkpoint has no component {name!r}; --expert is one of {sorted(meta['configs'])}")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = parts.model(name)
+    adapter = ADAPTERS.get(parts.arch(name))
+    lora_layers = None
+    if parts.lora(name) is not None:
+        from peft.utils import get_peft_model_state_dict
+
+        if adapter is None and lora != "merged":
+            raise ValueError(f"export: {name!r} ({parts.arch(name)}) has a LoRA adapter; export it with --lora merged")
+        if lora == "merged":
+            model.fuse_lora(lora_scale=1.0)
+        else:
+            lora_layers = get_peft_model_state_dict(model)
+        model.unload_lora()
+    os.makedirs(out, exist_ok=True)
+    if not (pipeline and adapter is not None):
+        presets.cast(model, torch_dtype).save_pretrained(out, safe_serialization=True)
+        if lora_layers is not None:
+            _save_lora(adapter, out, lora_layers)
+        return out
+    # the whole pipeline: the serving transformer with the card's VAE, text stack and the run's scheduler
+    components = {"transformer": model, "vae": parts.model(serving.get("vae", "vae"))}
+    for i, encoder in enumerate(serving.get("text_encoders", adapter.text_encoders)):
+        suffix = "" if i == 0 else f"_{i + 1}"
+        components[f"text_encoder{suffix}"] = parts.model(encoder)
+        components[f"tokenizer{suffix}"] = presets.build_tokenizer(parts.source(encoder)["tokenizer"])
+    for key, value in components.items():
+        if isinstance(value, torch.nn.Module):
+            presets.cast(value, torch_dtype)
+    components["scheduler"] = _scheduler(serving)
+    pipe = adapter.pipeline(components)
+    pipe.save_pretrained(out, safe_serialization=True)
+    if lora_layers is not None:
+        _save_lora(adapter, out, lora_layers)
+    # ``sigmas``: a few-step student's list (pass it to ``scheduler.set_timesteps``); ``chunk_frames``: a
+    # block-causal student's chunk, which the bidirectional pipeline does not reproduce
+    keys = ("num_inference_steps", "guidance_scale", "max_sequence_length", "num_frames", "height", "width",
+            "sigmas", "chunk_frames")
+    with open(os.path.join(out, "serving.json"), "w") as f:
+        json.dump({"pipeline": type(pipe).__name__, "transformer": name,
+                   **{k: serving[k] for k in keys if serving.get(k) is not None}}, f, indent=1)
     return out
+
+
+def _save_lora(adapter, out: str, layers: dict[str, torch.Tensor]) -> None:
+    """``pytorch_lora_weights.safetensors`` as the pipeline's ``save_lora_weights`` writes it."""
+    adapter.pipeline_class().save_lora_weights(out, transformer_lora_layers=layers, safe_serialization=True)
+
+
+def _scheduler(serving: dict[str, Any]):
+    import diffusers
+
+    spec = serving.get("scheduler") or {"class": "FlowMatchEulerDiscreteScheduler", "config": {"shift": 3.0}}
+    config = {k: v for k, v in spec["config"].items() if not k.startswith("_")}
+    return getattr(diffusers, spec["class"]).from_config(config)
+
+
+class _Parts:
+    """Components of a checkpoint rebuilt as their real classes: config from the checkpoint, weights from
+    its state dict (or, for an expert the checkpoint does not hold, from the expert's source)."""
+
+    def __init__(self, checkpoint: dict, path: str):
+        self.meta, self.state, self.path = checkpoint["posttrain"], checkpoint["state_dict"], path
+        self.roles = {n: sig["role_of"] for n, sig in self.meta["signature"].items() if "role_of" in sig}
+
+    def _of(self, name: str) -> str:
+        return self.roles.get(name, name)
+
+    def arch(self, name: str) -> str:
+        return self.meta["arch"][self._of(name)]
+
+    def source(self, name: str) -> dict[str, Any]:
+        sources = self.meta.get("sources") or {}
+        return sources.get(self._of(name)) or {"arch": self.arch(name), "tokenizer": None, "lora": None}
+
+    def lora(self, name: str) -> Optional[dict]:
+        return self.source(name).get("lora") if name == self._of(name) else None
+
+    def model(self, name: str) -> torch.nn.Module:
+        prefix = f"card.models.{name}."
+        state = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
+        cls = presets.model_class(self.arch(name))
+        if not state:  # not in the checkpoint: the expert's own source (a frozen expert)
+            source = self.source(name)
+            return presets.build_model(source["arch"], source.get("pretrained"), source.get("subfolder"),
+                                       source.get("preset") or None)
+        config = {k: v for k, v in self.meta["configs"][name].items() if not k.startswith("_")}
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class.from_dict(config))
+        lora = self.lora(name)
+        if lora is not None:
+            from peft import LoraConfig
+
+            model.add_adapter(LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
+                                         target_modules=lora["target_modules"]))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"export: {name!r} weights in {self.path!r} do not fit its class {cls.__name__}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.eval()

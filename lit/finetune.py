@@ -14,11 +14,10 @@ from typing import Literal, Optional
 import torch
 
 from posttrain.callbacks.versions import SyncPlan, constant
-from posttrain.lit.base import ExpertModule
-from posttrain.modules import vae as vae_codec
+from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
-from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
+from posttrain.modules.samplers import FlowMatchSampler
 
 
 class Finetune(ExpertModule):
@@ -30,16 +29,16 @@ class Finetune(ExpertModule):
         caption_dropout: probability of training on the empty prompt (what CFG needs at sampling).
         ema_decay: keep ``transformer_ema`` with this decay per generator step; None keeps none.
         val_sigmas: fixed noise levels of the validation loss.
+        run: size of generated videos, seed, NaN tolerance.
     """
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal", shift: float = 1.0,
                  logit_mean: float = 0.0, logit_std: float = 1.0, caption_dropout: float = 0.1,
                  ema_decay: Optional[float] = None, val_sigmas: tuple[float, ...] = (0.25, 0.5, 0.75),
-                 seed: int = 0, max_nan_steps: int = 3, frames: int = 9, height: int = 32, width: int = 32):
-        super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
-                         width=width)
-        problems = self.card_problems(card, "finetune")
+                 run: Optional[RunArgs] = None):
+        super().__init__(card, sampler, run)
+        problems = self.card_problems("finetune")
         if not 0.0 <= caption_dropout < 1.0:
             problems.append(f"caption_dropout={caption_dropout} must be in [0, 1)")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
@@ -58,19 +57,20 @@ class Finetune(ExpertModule):
             self.sync_plans.append(SyncPlan("transformer", ema, constant(self.ema_decay)))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        # 1. clean latents x0 (B, 16, F', h, w): precomputed by the datamodule, or the frozen VAE's
+        # 1. clean latents x0 (B, C, F', h, w): precomputed by the datamodule, or the frozen VAE's
         x0 = self.latents(batch)
         # 2. conditioning; a fraction of captions is dropped to the empty prompt for CFG
         prompts = list(batch["prompt"])
         drop = torch.rand(len(prompts), generator=self.generator) < self.caption_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
-        cond = self.card.prompt_embeds(prompts).to(self.device)
+        cond = self.stage.condition(prompts, self.device)
         # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε
         sigma = sample_sigmas(x0.shape[0], self.sigma_sampling, self.generator, self.shift,
                               self.logit_mean, self.logit_std).to(self.device)
         noise = torch.randn(x0.shape, generator=self.generator).to(x0)
         # 4. v_θ(x_σ, σ, c) regressed onto ε - x0
-        v = wan_velocity(self.card["transformer"])(noised(x0, noise, sigma), sigma, cond)
+        with self.stage.velocity("transformer") as velocity:
+            v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
         per_sample, metrics = flow_matching_loss(v, x0, noise)
         loss = per_sample.mean()
         # 5. one backward, one generator step
@@ -82,17 +82,18 @@ class Finetune(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Flow-matching loss at fixed σ with fixed noise: comparable across the run."""
         x0 = self.latents(batch)
-        cond = self.card.prompt_embeds(list(batch["prompt"])).to(self.device)
+        cond = self.stage.condition(list(batch["prompt"]), self.device)
         g = torch.Generator().manual_seed(batch_idx)
         losses = []
-        for s in self.val_sigmas:
-            noise = torch.randn(x0.shape, generator=g).to(x0)
-            sigma = torch.full((x0.shape[0],), s, device=self.device)
-            v = wan_velocity(self.card[self.serving_transformer])(noised(x0, noise, sigma), sigma, cond)
-            losses.append(flow_matching_loss(v, x0, noise)[0].mean())
+        with self.stage.velocity(self.serving_transformer) as velocity:
+            for s in self.val_sigmas:
+                noise = torch.randn(x0.shape, generator=g).to(x0)
+                sigma = torch.full((x0.shape[0],), s, device=self.device)
+                v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
+                losses.append(flow_matching_loss(v, x0, noise)[0].mean())
         self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0])
 
     def latents(self, batch: dict) -> torch.Tensor:
         if "latents" in batch:
             return batch["latents"].float()
-        return vae_codec.encode(self.card["vae"], batch["video"])
+        return self.stage.encode(batch["video"])

@@ -16,12 +16,11 @@ from typing import Literal, Optional
 import torch
 
 from posttrain.callbacks.parity import report_rollout
-from posttrain.lit.base import ExpertModule
-from posttrain.modules import vae as vae_codec
+from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.advantages import group_advantages
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.rewards import ColourAlignment, Reward, score
-from posttrain.modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
+from posttrain.modules.rollout import c2_gap, mean_metrics, ppo_step_losses, rollout, train_steps
 from posttrain.modules.samplers import FlowMatchSampler
 
 
@@ -42,6 +41,7 @@ class FlowGRPO(ExpertModule):
         num_minibatches: minibatches per pass (each one optimizer step).
         drop_zero_advantage: leave samples with advantage exactly 0 out of the update; a batch with
             none left makes no optimizer step (a constant reward changes nothing, Adam moments included).
+        run: size of generated videos, seed, NaN tolerance.
     """
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
@@ -49,10 +49,9 @@ class FlowGRPO(ExpertModule):
                  kl_beta: float = 0.004, guidance_scale: float = 1.0,
                  advantage_std: Literal["group", "global"] = "group", adv_clip: float = 5.0,
                  num_inner_epochs: int = 1, num_minibatches: int = 1, drop_zero_advantage: bool = True,
-                 seed: int = 0, max_nan_steps: int = 3, frames: int = 9, height: int = 32, width: int = 32):
-        super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
-                         width=width)
-        problems = self.card_problems(card, "flow_grpo")
+                 run: Optional[RunArgs] = None):
+        super().__init__(card, sampler, run)
+        problems = self.card_problems("flow_grpo")
         if num_samples_per_prompt < 2:
             problems.append(f"num_samples_per_prompt={num_samples_per_prompt} must be >= 2: group advantages "
                             f"compare K samples of one prompt")
@@ -66,6 +65,9 @@ class FlowGRPO(ExpertModule):
             problems.append(f"num_inner_epochs={num_inner_epochs} and num_minibatches={num_minibatches} must be >= 1")
         if not bool(self.sampler.sde_steps().any()):
             problems.append("the sampler's sde_window holds no step")
+        if not self.sampler.euler:
+            problems.append(f"SDE rollouts need the Euler flow scheduler (diffusers.FlowMatchEulerDiscreteScheduler), "
+                            f"got {type(self.sampler.scheduler).__name__}")
         if problems:
             raise ValueError("flow_grpo:\n  - " + "\n  - ".join(problems))
         self.reward = reward if reward is not None else ColourAlignment()
@@ -89,43 +91,40 @@ class FlowGRPO(ExpertModule):
         #    Group ids are the prompts' dataset indices, the same on every process.
         group_prompts = [p for p in prompts for _ in range(K)]
         group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
-        cond, uncond = self.conditioning(group_prompts, self.guidance_scale)  # (B·K, L, D)
+        cond, uncond = self.conditioning(group_prompts, self.guidance_scale)  # B·K rows
 
         # 2. roll out K SDE samples per prompt, capturing x_t and log p of every step
-        shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
-        traj = rollout(self.sampler, self.card["transformer"], cond, shape, self.generator, sde=True,
-                       uncond=uncond, guidance_scale=self.guidance_scale)
+        traj = rollout(self.stage, self.sampler, cond, self.stage.latent_shape(self.video), self.generator,
+                       sde=True, uncond=uncond, guidance_scale=self.guidance_scale)
 
         # 3. decode and score
-        videos = vae_codec.decode(self.card["vae"], traj.latents)  # (B·K, 3, F, H, W) in [-1, 1]
+        videos = self.stage.decode(traj.latents)  # (B·K, 3, F, H, W) in [-1, 1]
         rewards = score(self.reward, videos, group_prompts)
 
         # 4. group-relative advantages A = clip((r - mean_g) / (std_g + 1e-4), ±5)
         advantages = group_advantages(rewards.total, group_ids, self.advantage_std, self.adv_clip).to(self.device)
 
         # 5. C2: before any update, callbacks may recompute the stored log p at the rollout's weights
-        report_rollout(self, lambda: c2_gap(self.sampler, self.card["transformer"], traj, cond, uncond,
-                                            self.guidance_scale))
+        report_rollout(self, lambda: c2_gap(self.stage, self.sampler, traj, cond, uncond, self.guidance_scale))
 
-        # 6. PPO-clip + KL to the reference, on a fraction of the SDE steps, per minibatch
+        # 6. PPO-clip + KL to the reference, on a fraction of the SDE steps, per minibatch; each step's
+        #    loss is backed up before the next step runs (activation memory of one step)
         keep = torch.nonzero(advantages != 0).flatten() if self.drop_zero_advantage \
             else torch.arange(len(advantages), device=self.device)
         if self.trainer.world_size > 1 and self.any_rank(len(keep) > 0):  # a collective: every rank calls it
             # DDP: every rank runs the same backward passes; with signal anywhere each rank trains on all its
             # samples (those with A = 0 add no policy gradient)
             keep = torch.arange(len(advantages), device=self.device)
-        reference = (lambda: self.card.use("transformer_reference")) if self.kl_beta > 0 else None
-        losses, metrics_seen = [], []
+        reference = "transformer_reference" if self.kl_beta > 0 else None
+        metrics: dict[str, list[torch.Tensor]] = {}
         for _ in range(self.num_inner_epochs):
             order = keep[torch.randperm(len(keep), generator=self.generator).to(keep.device)]
             for index in order.chunk(self.num_minibatches) if len(order) else []:
                 steps = train_steps(self.sampler, self.timestep_fraction, self.generator)
-                loss, metrics = ppo_step_loss(self.sampler, self.card["transformer"], reference, traj, steps, cond,
-                                              advantages, self.clip_range, self.kl_beta, uncond,
-                                              self.guidance_scale, index=index)
-                self.step_experts(loss, ["transformer"])
-                losses.append(loss.detach())
-                metrics_seen.append(metrics)
+                self.step_experts(ppo_step_losses(self.stage, self.sampler, traj, steps, cond, advantages,
+                                                  self.clip_range, self.kl_beta, uncond, self.guidance_scale,
+                                                  index=index, reference=reference, metrics=metrics),
+                                  ["transformer"])
 
         # 7. log
         self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)
@@ -134,13 +133,10 @@ class FlowGRPO(ExpertModule):
             self.log(f"train/reward/{name}", value.mean(), on_step=True)
         self.log("train/kept_samples", float(len(keep)), on_step=True)
         self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
-        if metrics_seen:
-            for key, name in (("ratio_mean", "ppo_ratio_mean"), ("clip_frac", "clip_frac"), ("kl", "kl"),
-                              ("approx_kl", "approx_kl")):
-                self.log(f"train/{name}", torch.stack([m[key] for m in metrics_seen]).mean(), on_step=True)
-        loss = torch.stack(losses).mean() if losses else torch.zeros(())
-        self.log("train/loss", loss, on_step=True)
-        return loss
+        for key, value in mean_metrics(metrics).items():
+            name = {"ratio_mean": "ppo_ratio_mean"}.get(key, key)
+            self.log(f"train/{name}", value, on_step=True)
+        return metrics["loss"][-1] if metrics else torch.zeros(())
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of ODE samples from fixed noise (seed = batch index): comparable across the run."""

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
 from posttrain.callbacks.parity import report_rollout
-from posttrain.lit.base import ExpertModule
-from posttrain.modules import vae as vae_codec
+from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.advantages import group_advantages
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.refiners import (
@@ -38,7 +37,7 @@ from posttrain.modules.refiners import (
     token_pg_loss,
 )
 from posttrain.modules.rewards import ColourAlignment, Reward, RewardOutput, score, term_of
-from posttrain.modules.rollout import c2_gap, ppo_step_loss, rollout, train_steps
+from posttrain.modules.rollout import c2_gap, mean_metrics, ppo_step_losses, rollout, train_steps
 from posttrain.modules.samplers import FlowMatchSampler
 
 
@@ -68,6 +67,7 @@ class JointRL(ExpertModule):
         advantage_std: normalize advantages by the group's std or the whole batch's.
         adv_clip: advantages are clipped to ±adv_clip.
         table_every_n_iterations: log a W&B table of prompts, refinements and rewards this often.
+        run: size of generated videos, seed, NaN tolerance.
     """
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
@@ -78,10 +78,8 @@ class JointRL(ExpertModule):
                  refiner_kl: float = 0.01, timestep_fraction: float = 0.5, clip_range: float = 1e-3,
                  kl_beta: float = 0.004, guidance_scale: float = 1.0,
                  advantage_std: Literal["group", "global"] = "group", adv_clip: float = 5.0,
-                 table_every_n_iterations: int = 50, seed: int = 0, max_nan_steps: int = 3, frames: int = 9,
-                 height: int = 32, width: int = 32):
-        super().__init__(card, sampler, seed=seed, max_nan_steps=max_nan_steps, frames=frames, height=height,
-                         width=width)
+                 table_every_n_iterations: int = 50, run: Optional[RunArgs] = None):
+        super().__init__(card, sampler, run)
         self.reward = reward if reward is not None else ColourAlignment()
         problems = self._problems(card, num_samples_per_prompt, num_skip_refinement, credit, generator_term, joint,
                                   max_new_tokens, temperature, refiner_template, refiner_kl, timestep_fraction,
@@ -130,13 +128,12 @@ class JointRL(ExpertModule):
                              for j, p in enumerate(originals)]
 
         # 2. roll out K samples per prompt: SDE with log p when the generator trains, else the ODE
-        cond, uncond = self.conditioning(generator_prompts, self.guidance_scale)  # (B·K, L, D)
-        shape = vae_codec.latent_shape(self.card["vae"], self.frames, self.height, self.width)
-        traj = rollout(self.sampler, self.card["transformer"], cond, shape, self.generator, sde=self.joint,
-                       uncond=uncond, guidance_scale=self.guidance_scale)
+        cond, uncond = self.conditioning(generator_prompts, self.guidance_scale)  # B·K rows
+        traj = rollout(self.stage, self.sampler, cond, self.stage.latent_shape(self.video), self.generator,
+                       sde=self.joint, uncond=uncond, guidance_scale=self.guidance_scale)
 
         # 3. score against the original prompts; group advantages of the total and, per expert, of its term
-        videos = vae_codec.decode(self.card["vae"], traj.latents)  # (B·K, 3, F, H, W) in [-1, 1]
+        videos = self.stage.decode(traj.latents)  # (B·K, 3, F, H, W) in [-1, 1]
         context = {"original_prompts": originals, "refinements": texts}
         rewards = score(self.reward, videos, generator_prompts, context)
         advantages = group_advantages(rewards.total, group_ids, self.advantage_std, self.adv_clip).to(self.device)
@@ -178,12 +175,13 @@ class JointRL(ExpertModule):
         if self.joint and self.any_rank(len(keep) > 0):
             keep = keep if len(keep) else refined  # signal on another rank only: A = 0 here, the KL remains
             steps = train_steps(self.sampler, self.timestep_fraction, self.generator)
-            reference = (lambda: self.card.use("transformer_reference")) if self.kl_beta > 0 else None
-            loss, metrics = ppo_step_loss(self.sampler, self.card["transformer"], reference, traj, steps, cond,
-                                          generator_advantages, self.clip_range, self.kl_beta, uncond,
-                                          self.guidance_scale, index=keep)
-            self.step_experts(loss, ["transformer"])
-            self.log("train/loss/transformer", loss.detach(), on_step=True)
+            metrics: dict[str, list[torch.Tensor]] = {}
+            self.step_experts(ppo_step_losses(self.stage, self.sampler, traj, steps, cond, generator_advantages,
+                                              self.clip_range, self.kl_beta, uncond, self.guidance_scale, index=keep,
+                                              reference="transformer_reference" if self.kl_beta > 0 else None,
+                                              metrics=metrics), ["transformer"])
+            metrics = mean_metrics(metrics)
+            self.log("train/loss/transformer", metrics["loss"], on_step=True)
             self.log("train/ppo_ratio_mean", metrics["ratio_mean"], on_step=True)
             self.log("train/clip_frac", metrics["clip_frac"], on_step=True)
             self.log("train/kl/transformer", metrics["kl"], on_step=True)
@@ -235,8 +233,7 @@ class JointRL(ExpertModule):
     def _problems(self, card, K, S, credit, generator_term, joint, max_new_tokens, temperature, template, refiner_kl,
                   timestep_fraction, clip_range, kl_beta, table_every) -> list[str]:
         """Every configuration problem, collected before anything is built."""
-        problems = self.card_problems(card, "joint_rl", trains=(),  # the generator trains only when joint
-                                      needs=("transformer", "text_encoder", "vae"))
+        problems = self.card_problems("joint_rl", trains=())  # the generator trains only when joint
         if card.num_refiners < 1:
             problems.append(f"the card has num_refiners={card.num_refiners}; joint_rl needs >= 1 "
                             f"(`num_refiners: 3` with a `refiner:` template of arch qwen2)")
@@ -311,8 +308,7 @@ class JointRL(ExpertModule):
         """max |recomputed − captured log p| over the generator's SDE steps and every refiner's tokens."""
         gaps = [torch.zeros(())]
         if self.joint:
-            gaps.append(c2_gap(self.sampler, self.card["transformer"], traj, cond, uncond,
-                               self.guidance_scale).cpu())
+            gaps.append(c2_gap(self.stage, self.sampler, traj, cond, uncond, self.guidance_scale).cpu())
         with torch.no_grad():
             for name, sample in samples.items():
                 recomputed = completion_log_probs(self.card[name], sample, self.temperature)

@@ -74,6 +74,10 @@ class ShardedExpertsStrategy(DDPStrategy):
         super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
         import deepspeed
 
+        if self.root_device.type == "cpu":
+            # DeepSpeed's shared-memory all-reduce serves CPU *inference* only; skipping it avoids a JIT build
+            # of a C++ op at start-up (and the build lock a killed process leaves behind, which hangs the next)
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         # DeepSpeed reuses the process group Lightning made; no MPI discovery.
         deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), auto_mpi_discovery=False,
                                    dist_init_required=False, verbose=False)
@@ -150,8 +154,9 @@ class ShardedExpertsStrategy(DDPStrategy):
                     dist.broadcast(tensor.data, src=0)
 
     # ------------------------------------------------------------------ the base's hooks
-    def expert_backward(self, module, loss: torch.Tensor, experts: list[str]) -> None:
-        """One backward of ``loss``: through the engine of a sharded expert, else Lightning's."""
+    def expert_backward(self, module, loss: torch.Tensor, experts: list[str], last: bool = True) -> None:
+        """One backward of ``loss``: through the engine of a sharded expert, else Lightning's. ``last``: the
+        final backward of the iteration (several come when a method backs up per-step losses)."""
         sharded = [name for name in experts if name in self.engines]
         if not sharded:
             module.manual_backward(loss)
@@ -167,7 +172,7 @@ class ShardedExpertsStrategy(DDPStrategy):
             prepare_for_backward(self.model, loss)  # the plain experts of this loss reduce through DDP
         # the base counts micro-batches; the engine steps (and reduces fully) on its accumulation boundary
         engine.set_gradient_accumulation_boundary(
-            (module._micro.get(name, 0) + 1) % module.card.specs[name].accumulate == 0)
+            last and (module._micro.get(name, 0) + 1) % module.card.specs[name].accumulate == 0)
         engine.backward(loss)
 
     def expert_step(self, module, name: str) -> bool:

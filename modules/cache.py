@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -18,8 +18,9 @@ def content_hash(text: str) -> str:
 
 
 class EmbeddingCache:
-    def __init__(self, max_entries: int = 8192):
+    def __init__(self, max_entries: int = 8192, device: Optional[str] = None):
         self.max_entries = max_entries
+        self.device = device  # where rows are kept; None = where they were computed
         self._store: OrderedDict[tuple[str, int, str], torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -43,16 +44,22 @@ class EmbeddingCache:
         # a miss is a text that had to be encoded; a row repeated in the call (a group of K) is a hit
         self.misses += len(missing)
         self.hits += len(texts) - len(missing)
+        fresh: dict[tuple[str, int, str], torch.Tensor] = {}
         if missing:
-            rows = compute(missing)
-            for text, row in zip(missing, rows):
-                self._store[(component, version, content_hash(text))] = row.detach()
-            while len(self._store) > self.max_entries:
-                self._store.popitem(last=False)
+            for text, row in zip(missing, compute(missing)):
+                row = row.detach()
+                fresh[(component, version, content_hash(text))] = row if self.device is None else row.to(self.device)
         out = []
         for key in keys:
-            self._store.move_to_end(key)
-            out.append(self._store[key])
+            if key in fresh:
+                out.append(fresh[key])
+            else:
+                self._store.move_to_end(key)
+                out.append(self._store[key])
+        # store after gathering: a call with more distinct texts than max_entries still returns every row
+        self._store.update(fresh)
+        while len(self._store) > self.max_entries:
+            self._store.popitem(last=False)
         return torch.stack(out)
 
     def invalidate(self, component: str, keep_version: int | None = None) -> int:

@@ -21,7 +21,6 @@ from torch import nn
 
 from posttrain.modules import presets
 from posttrain.modules.cache import EmbeddingCache
-from posttrain.modules.text import encode_prompts
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -68,6 +67,12 @@ class Expert:
     lora: Optional[LoraConfig] = None
     gradient_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # start from the weights of this other expert of the card, after both are built (e.g. a DMD2 student
+    # and critic from the teacher; a block-causal student from a bidirectional teacher of the same config)
+    init_from: Optional[str] = None
+    # diffusers attention backend of a diffusers model (e.g. "flash", "_native_cudnn", "native"); None keeps SDPA
+    attention_backend: Optional[str] = None
+    compile: bool = False  # torch.compile the module in place (state dict unchanged)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -83,10 +88,14 @@ class ModelCard(nn.Module):
         num_refiners: how many copies of ``refiner`` to add, named ``refiner_0``…``refiner_{N-1}``.
         refiner: the template of every refiner LM (independent weights and optimizer each).
         text_max_length: tokens per prompt for the text encoder.
+        cache_size: prompt-embedding rows kept in memory (least recently used dropped first); rows keep the
+            text encoder's dtype.
+        cache_device: keep cached rows where the encoder runs (``model``) or in host memory (``cpu``; they
+            move to the device per batch) — at 512×4096 bf16 a row is 4 MiB.
     """
 
     def __init__(self, experts: dict[str, Expert], num_refiners: int = 0, refiner: Optional[Expert] = None,
-                 text_max_length: int = 64):
+                 text_max_length: int = 64, cache_size: int = 8192, cache_device: Literal["model", "cpu"] = "model"):
         super().__init__()
         specs = dict(experts)
         for i in range(num_refiners):
@@ -96,13 +105,14 @@ class ModelCard(nn.Module):
         self.specs: dict[str, Expert] = specs
         self.num_refiners = num_refiners
         self.text_max_length = text_max_length
+        self.cache_size_problem = f"cache_size={cache_size} must be >= 1" if cache_size < 1 else None
         self._refiner_template = refiner
         self.validate()
         self.models = nn.ModuleDict()
         self.tokenizers: dict[str, Any] = {}
         self.roles: dict[str, tuple[str, str]] = {}  # role component name -> (source expert, role)
         self.versions: dict[str, int] = {name: 0 for name in specs}
-        self.cache = EmbeddingCache()
+        self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
 
     # ------------------------------------------------------------------ construction
     def validate(self) -> None:
@@ -128,6 +138,19 @@ class ModelCard(nn.Module):
                 problems.append(f"expert {name!r}: {err}; give a local folder or remove `pretrained`")
             if spec.lora is not None and not spec.trainable:
                 problems.append(f"expert {name!r} has a LoRA adapter but trainable=false")
+            if spec.init_from is not None:
+                source = self.specs.get(spec.init_from)
+                if source is None or spec.init_from == name:
+                    problems.append(f"expert {name!r}: init_from={spec.init_from!r} is not another expert of the "
+                                    f"card; choose one of {sorted(n for n in self.specs if n != name)}")
+                elif source.init_from is not None:
+                    problems.append(f"expert {name!r}: init_from={spec.init_from!r}, which itself has init_from="
+                                    f"{source.init_from!r}; point {name!r} at {source.init_from!r} directly")
+            if spec.attention_backend is not None and spec.arch not in presets.DIFFUSERS_ARCHS:
+                problems.append(f"expert {name!r}: attention_backend is a diffusers option; {spec.arch!r} is a "
+                                f"transformers model")
+        if self.cache_size_problem:
+            problems.append(self.cache_size_problem)
         if problems:
             raise ValueError("invalid model card:\n  - " + "\n  - ".join(problems))
 
@@ -139,13 +162,20 @@ class ModelCard(nn.Module):
         """Build every expert (random tiny preset or ``from_pretrained``) and freeze the frozen ones.
 
         ``init_context(name, expert)`` wraps each construction, e.g. ``deepspeed.zero.Init`` for an
-        expert too large to build whole on one process.
+        expert too large to build whole on one process. An expert with ``init_from`` then takes the named
+        expert's weights (before any LoRA adapter is added).
         """
+        built = {}
         for name, spec in self.specs.items():
             ctx = init_context(name, spec) if init_context is not None else contextlib.nullcontext()
             with ctx:
-                model = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
-                                            _dtype(spec.dtype))
+                built[name] = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
+                                                  _dtype(spec.dtype))
+        for name, spec in self.specs.items():
+            if spec.init_from is not None:
+                copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})")
+        for name, spec in self.specs.items():
+            model = built[name]
             if spec.arch in presets.TEXT_ENCODERS or spec.arch == "qwen2":
                 self.tokenizers[name] = presets.build_tokenizer(spec.tokenizer)
             if spec.lora is not None:
@@ -158,6 +188,10 @@ class ModelCard(nn.Module):
                 model.enable_gradient_checkpointing()
             elif spec.gradient_checkpointing:
                 model.gradient_checkpointing_enable()
+            if spec.attention_backend is not None:
+                model.set_attention_backend(spec.attention_backend)
+            if spec.compile:
+                model.compile()
             self.models[name] = model
             if not spec.trainable:
                 freeze(model)
@@ -224,17 +258,53 @@ class ModelCard(nn.Module):
         sig.update({name: {"role_of": of, "role": role} for name, (of, role) in self.roles.items()})
         return sig
 
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """Where each expert's weights come from (plain types: written into checkpoints and read by export)."""
+        return {name: {"arch": spec.arch, "pretrained": spec.pretrained, "subfolder": spec.subfolder,
+                       "preset": dict(spec.preset), "tokenizer": spec.tokenizer, "dtype": spec.dtype,
+                       "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora),
+                       "init_from": spec.init_from}
+                for name, spec in self.specs.items()}
+
     def describe(self) -> dict[str, Any]:
         return {name: asdict(spec) | {"optimizer": repr(spec.optimizer)} for name, spec in self.specs.items()}
 
     # ------------------------------------------------------------------ text
-    def prompt_embeds(self, prompts: list[str], encoder: str = "text_encoder") -> torch.Tensor:
-        """(B, L, D) frozen-encoder embeddings, cached by (encoder, version, prompt hash)."""
-        model = self.models[encoder]
-        return self.cache.get_or_compute(
-            encoder, self.versions[encoder], prompts,
-            lambda missing: encode_prompts(self.tokenizers[encoder], model, missing, self.text_max_length),
-        )
+    def text_embeds(self, encoder: str, prompts: list[str],
+                    compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
+        """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
+        ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
+        return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+
+@torch.no_grad()
+def copy_weights(source: nn.Module, target: nn.Module, what: str) -> None:
+    """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
+
+    A ZeRO-3 partitioned model (built under ``deepspeed.zero.Init``) is gathered for the copy; the target is
+    written back from rank 0, where every process computed the same values.
+    """
+    with _gathered(source), _gathered(target, modifier=True):
+        src = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+        dst = {**dict(target.named_parameters()), **dict(target.named_buffers())}
+        missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
+        shapes = [k for k in dst if k in src and src[k].shape != dst[k].shape]
+        if missing or extra or shapes:
+            raise ValueError(f"{what}: the source's weights do not fit: missing {missing[:3]}, unexpected "
+                             f"{extra[:3]}, other shapes "
+                             f"{[(k, tuple(src[k].shape), tuple(dst[k].shape)) for k in shapes[:3]]}; give both "
+                             f"experts the same architecture (arch and preset)")
+        for key, tensor in dst.items():
+            tensor.copy_(src[key].to(tensor.dtype))
+
+
+def _gathered(model: nn.Module, modifier: bool = False):
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modifier else None)
 
 
 def freeze(model: nn.Module) -> nn.Module:

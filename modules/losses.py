@@ -7,14 +7,18 @@ from posttrain.modules.samplers import shift_sigmas
 
 
 def sample_sigmas(batch_size: int, mode: str, generator: torch.Generator | None = None, shift: float = 1.0,
-                  logit_mean: float = 0.0, logit_std: float = 1.0) -> torch.Tensor:
-    """(B,) training σ: uniform, or logit-normal as in SD3/Wan training; then flow-shifted."""
+                  logit_mean: float = 0.0, logit_std: float = 1.0, low: float = 0.0, high: float = 1.0
+                  ) -> torch.Tensor:
+    """(B,) training σ: uniform, or logit-normal as in SD3/Wan training, mapped onto [low, high] (DMD2 draws
+    its score σ from [0.02, 0.98]); then flow-shifted."""
     if mode == "uniform":
         sigma = torch.rand(batch_size, generator=generator)
     elif mode == "logit_normal":
         sigma = torch.sigmoid(logit_mean + logit_std * torch.randn(batch_size, generator=generator))
     else:
         raise ValueError(f"unknown sigma sampling {mode!r}; choose 'uniform' or 'logit_normal'")
+    if (low, high) != (0.0, 1.0):
+        sigma = low + (high - low) * sigma
     return shift_sigmas(sigma, shift)
 
 
@@ -110,3 +114,46 @@ def nft_old_decay(decay_type: int, step: int) -> float:
     if decay_type == 2:
         return 0.0 if step < 75 else min(0.0075 * (step - 75), 0.999)
     raise ValueError(f"decay_type={decay_type}; choose 0, 1 or 2")
+
+
+# ------------------------------------------------------------------------------------ distillation losses
+def x0_from_velocity(x_t: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x̂0 = x_σ - σ·v (flow matching, v ≈ ε - x0); ``sigma`` (B,), tensors (B, C, F, H, W). Guidance commutes with
+    it: x0_u + g·(x0_c - x0_u) = x_σ - σ·(v_u + g·(v_c - v_u)), so CFG in x0 space is CFG on the velocities."""
+    s = sigma.float().reshape(-1, *([1] * (x_t.ndim - 1))).to(x_t.device)
+    return x_t.float() - s * v.float()
+
+
+def dmd_generator_loss(x0: torch.Tensor, real_x0_cond: torch.Tensor, fake_x0: torch.Tensor,
+                       real_x0_uncond: torch.Tensor | None = None, guidance_scale: float = 1.0
+                       ) -> tuple[torch.Tensor, dict]:
+    """Per-sample DMD2 generator loss (Yin et al. 2024, "Improved Distribution Matching Distillation", eq. 2 with
+    DMD's normalized gradient, eq. 7–8; METHODS.md dmd2; reference Self-Forcing ``model/dmd.py``,
+    ``_compute_kl_grad`` and ``compute_distribution_matching_loss``).
+
+    ``x0`` is the student's sample x̂0 (with gradient); the three scores are x0 predictions at the same noised
+    x_σ = (1-σ)·x̂0 + σ·ε, treated as constants:
+    ``real = real_u + g·(real_c - real_u)`` (teacher CFG; no CFG without ``real_x0_uncond``), ``fake`` = the
+    critic's x0 (no CFG). Then per sample ``grad = (fake - real) / mean|x̂0 - real|``, ``nan_to_num``, and
+    ``L_G = 0.5·mean((x̂0 - sg(x̂0 - grad))²)``, whose gradient is ``grad / n`` (n elements per sample): it pushes
+    x̂0 away from the critic's (fake) and towards the teacher's (real) denoising. Computed in float64 like the
+    reference, so that x̂0 - (x̂0 - grad) keeps a small grad exact. Shapes (B, C, F, H, W) or any (B, ...).
+    The guidance convention is METHODS.md's: Self-Forcing's ``cond + g'·(cond - uncond)`` is g = g' + 1 here.
+    The critic's own loss is ``flow_matching_loss`` on the detached samples (target ε - sg(x̂0)).
+
+    Metrics: ``dmd_grad_abs`` mean |grad| (the reference's ``dmdtrain_gradient_norm``), ``dmd_normalizer`` mean of
+    the per-sample mean|x̂0 - real|.
+    """
+    if real_x0_uncond is None and guidance_scale != 1.0:
+        raise ValueError(f"guidance_scale={guidance_scale} needs the teacher's unconditional x0 (real_x0_uncond)")
+    dims = tuple(range(1, x0.ndim))
+    with torch.no_grad():
+        real = real_x0_cond.double()
+        if real_x0_uncond is not None:
+            real = real_x0_uncond.double() + guidance_scale * (real - real_x0_uncond.double())
+        normalizer = (x0.detach().double() - real).abs().mean(dim=dims, keepdim=True)
+        grad = torch.nan_to_num((fake_x0.double() - real) / normalizer)
+        target = x0.detach().double() - grad
+    per_sample = 0.5 * (x0.double() - target).pow(2).mean(dim=dims)
+    metrics = {"dmd_grad_abs": grad.abs().mean().float(), "dmd_normalizer": normalizer.mean().float()}
+    return per_sample.float(), metrics

@@ -24,7 +24,9 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-Arch = Literal["wan_t2v", "wan_i2v", "wan_vae", "umt5", "t5", "qwen2", "flux", "vae_kl"]
+from posttrain.modules.causal_wan import CausalWanTransformer3DModel
+
+Arch = Literal["wan_t2v", "wan_t2v_causal", "wan_i2v", "wan_vae", "umt5", "t5", "qwen2", "flux", "vae_kl"]
 
 # ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model
 # uses this vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them.
@@ -36,6 +38,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 2x4x4 = 32 tokens. text_dim matches the UMT5's d_model. Without overrides it loads
     # TRAINED_ASSETS["wan_t2v"] (scripts/train_world.py), trained jointly with that UMT5.
     "wan_t2v": dict(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ),
+    # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict
+    # (``init_from: teacher`` copies the pretrained world's generator into it).
+    "wan_t2v_causal": dict(
         patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
         out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
@@ -80,14 +89,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _DIFFUSERS = {
-    "wan_t2v": WanTransformer3DModel, "wan_i2v": WanTransformer3DModel, "wan_vae": AutoencoderKLWan,
-    "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
+    "wan_t2v": WanTransformer3DModel, "wan_t2v_causal": CausalWanTransformer3DModel, "wan_i2v": WanTransformer3DModel,
+    "wan_vae": AutoencoderKLWan, "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
 }
 _TRANSFORMERS = {
     "umt5": (UMT5EncoderModel, UMT5Config), "t5": (T5EncoderModel, T5Config),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),
 }
 TEXT_ENCODERS = ("umt5", "t5")
+DIFFUSERS_ARCHS = tuple(_DIFFUSERS)
 # Presets that carry trained weights, made here from the synthetic data (no download) by the scripts
 # named, and loaded through ``from_pretrained`` like any local checkpoint (times on 2 CPU cores):
 # scripts/train_vae.py (the VAE), then scripts/train_world.py (the UMT5 and the Wan generator, jointly).
@@ -132,14 +142,27 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             ) from err
     if arch in TRAINED_ASSETS and not preset:
         model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
-        return model.to(dtype) if dtype not in (None, torch.float32) else model
+        return cast(model, dtype)
     config = {**PRESETS[arch], **(preset or {})}
     if arch in _DIFFUSERS:
         model = _DIFFUSERS[arch](**config)
     else:
         cls, config_cls = _TRANSFORMERS[arch]
         model = cls(config_cls(**config))
-    return model.to(dtype) if dtype not in (None, torch.float32) else model
+    return cast(model, dtype)
+
+
+def cast(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """``model``'s floating-point weights in ``dtype``, except those its class keeps in float32
+    (``_keep_in_fp32_modules``: Wan's time embedder, norms and modulation tables, T5's ``wo``), as
+    ``from_pretrained(torch_dtype=...)`` does."""
+    if dtype is None:
+        return model
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or []) if dtype != torch.float32 else set()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if keep.intersection(name.split(".")) else dtype)
+    return model
 
 
 def build_tokenizer(path: str | None = None):

@@ -1,7 +1,12 @@
 """Prompt refiners: a causal LM samples a refinement of each prompt, with token log-probabilities.
 
-The refiner policy is the LM's next-token distribution restricted to the ByT5 byte tokens (ids 3…258,
-byte + 3) plus EOS, at a temperature: a random tiny LM then still emits valid text, and the sampled
+The refiner policy is the LM's next-token distribution restricted to the tokens that decode, alone, to
+printable text (``refiner_vocab``), plus EOS, at a temperature. Each such token is whole UTF-8
+characters, so the decoded text is exactly the tokens trained on (a partial byte sequence would decode to
+nothing or a replacement character: the reward would score other text than the policy emitted). For the
+embedded ``ByT5Tokenizer`` these are the printable ASCII bytes (0x20…0x7E, ids 35…129, id = byte + 3); for
+a real LM's tokenizer (e.g. Qwen2's byte-level BPE) they are computed once from its vocabulary. A random
+tiny LM then still emits valid text, and the sampled
 log-probabilities and their recompute with gradient see the *same* distribution. The LM is prompted
 chat-free: the context is ``template.format(prompt=...)`` (default ``"{prompt}\\n"``), left-padded to
 the longest prompt of the batch; the completion ends at the first EOS (kept, it is an action) and is
@@ -18,11 +23,11 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-BYTE_TOKENS = (3, 258)  # ByT5: id = byte + 3, bytes 0…255
-PAD_ID, EOS_ID = 0, 1
+PAD_ID, EOS_ID = 0, 1  # ByT5's
 DEFAULT_TEMPLATE = "{prompt}\n"
 
 
@@ -36,24 +41,54 @@ class Refinements:
     log_probs: torch.Tensor  # (B, T) float32 log π(token) at sampling time, 0 where ~mask
     context_ids: torch.Tensor  # (B, L) long, left-padded
     context_mask: torch.Tensor  # (B, L) long, 0 on left padding
+    vocab: "RefinerVocab"  # what the policy could emit (the recompute uses the same restriction)
 
     def select(self, index: torch.Tensor) -> "Refinements":
         """The rows ``index`` (a (M,) long tensor)."""
         rows = index.tolist()
         return Refinements([self.texts[i] for i in rows], self.tokens[index], self.mask[index],
-                           self.log_probs[index], self.context_ids[index], self.context_mask[index])
+                           self.log_probs[index], self.context_ids[index], self.context_mask[index], self.vocab)
 
 
-def allowed_tokens(vocab_size: int, byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
-    """(V,) bool: the byte tokens ``lo…hi`` (inclusive) and EOS."""
-    lo, hi = byte_tokens
-    if not 0 <= lo <= hi < vocab_size or not 0 <= eos_id < vocab_size:
-        raise ValueError(f"byte_tokens={byte_tokens} and eos_id={eos_id} must lie in the vocabulary "
-                         f"[0, {vocab_size})")
-    allowed = torch.zeros(vocab_size, dtype=torch.bool)
-    allowed[lo:hi + 1] = True
-    allowed[eos_id] = True
-    return allowed
+@dataclass(frozen=True)
+class RefinerVocab:
+    """What a refiner may emit: ``allowed`` (V,) bool over the LM's output vocabulary, and its EOS and pad ids."""
+
+    allowed: torch.Tensor
+    eos_id: int
+    pad_id: int
+
+
+_VOCABS: dict[tuple[int, int], RefinerVocab] = {}
+
+
+def refiner_vocab(tokenizer, vocab_size: int) -> RefinerVocab:
+    """The tokens of ``tokenizer`` that decode alone to non-empty printable text (no special token, no
+    partial UTF-8 byte sequence, no control character), plus EOS; computed once per tokenizer."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _VOCABS:
+        eos_id = tokenizer.eos_token_id
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+        if eos_id is None or not 0 <= eos_id < vocab_size:
+            raise ValueError(f"refiner tokenizer {type(tokenizer).__name__}: eos_token_id={eos_id} must lie in the "
+                             f"LM's vocabulary [0, {vocab_size}); give the LM's own tokenizer folder")
+        special = set(tokenizer.all_special_ids)
+        n = min(vocab_size, len(tokenizer))
+        texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+        allowed = torch.zeros(vocab_size, dtype=torch.bool)
+        for i, text in enumerate(texts):
+            allowed[i] = i not in special and bool(text) and "\ufffd" not in text and text.isprintable()
+        allowed[eos_id] = True
+        _VOCABS[key] = RefinerVocab(allowed, int(eos_id), int(pad_id))
+    return _VOCABS[key]
+
+
+def restricted(vocab: RefinerVocab, allowed_ids: list[int]) -> RefinerVocab:
+    """``vocab`` with only ``allowed_ids`` (and EOS) allowed (tests and constrained refiners)."""
+    allowed = torch.zeros_like(vocab.allowed)
+    allowed[allowed_ids] = True
+    allowed[vocab.eos_id] = True
+    return RefinerVocab(allowed, vocab.eos_id, vocab.pad_id)
 
 
 def encode_contexts(tokenizer, prompts: list[str], template: str = DEFAULT_TEMPLATE,
@@ -92,8 +127,7 @@ def _forward_log_probs(model: torch.nn.Module, ids: torch.Tensor, attention_mask
 @torch.no_grad()
 def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], generator: torch.Generator,
                        max_new_tokens: int = 8, temperature: float = 1.0, template: str = DEFAULT_TEMPLATE,
-                       byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID,
-                       pad_id: int = PAD_ID) -> Refinements:
+                       vocab: Optional[RefinerVocab] = None) -> Refinements:
     """Sample one refinement per prompt, capturing each token's log-probability.
 
     A loop over the real LM's forward with its KV cache: the context once, then one token per step.
@@ -105,8 +139,8 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     device = next(model.parameters()).device
-    vocab = model.get_output_embeddings().weight.shape[0]
-    allowed = allowed_tokens(vocab, byte_tokens, eos_id).to(device)
+    vocab = vocab or refiner_vocab(tokenizer, model.get_output_embeddings().weight.shape[0])
+    allowed, eos_id, pad_id = vocab.allowed.to(device), vocab.eos_id, vocab.pad_id
     context_ids, context_mask = encode_contexts(tokenizer, prompts, template, pad_id)
     step_ids, attn = context_ids.to(device), context_mask.to(device)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -139,25 +173,23 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
     mask_t = torch.stack(masks, dim=1)
     texts = [decode_completion(tokenizer, row, eos_id) for row in tokens_t.tolist()]
     return Refinements(texts, tokens_t, mask_t, torch.stack(log_probs, dim=1).float(),
-                       context_ids.to(device), context_mask.to(device))
+                       context_ids.to(device), context_mask.to(device), vocab)
 
 
 def decode_completion(tokenizer, token_ids: list[int], eos_id: int = EOS_ID) -> str:
-    """Text of a completion up to (not including) its first EOS; invalid UTF-8 bytes are dropped."""
+    """Text of a completion up to (not including) its first EOS (whole characters: nothing is dropped)."""
     if eos_id in token_ids:
         token_ids = token_ids[: token_ids.index(eos_id)]
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def completion_log_probs(model: torch.nn.Module, refinements: Refinements, temperature: float = 1.0,
-                         byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
+def completion_log_probs(model: torch.nn.Module, refinements: Refinements, temperature: float = 1.0) -> torch.Tensor:
     """(B, T) log π(token) of the stored completions under ``model``'s current weights, with grad.
 
     One forward over context + completion; 0 outside ``refinements.mask``. At the sampling weights it
     reproduces ``refinements.log_probs``.
     """
-    vocab = model.get_output_embeddings().weight.shape[0]
-    allowed = allowed_tokens(vocab, byte_tokens, eos_id)
+    allowed = refinements.vocab.allowed
     length, steps = refinements.context_ids.shape[1], refinements.tokens.shape[1]
     ids = torch.cat([refinements.context_ids, refinements.tokens], dim=1)
     attn = torch.cat([refinements.context_mask, torch.ones_like(refinements.tokens)], dim=1)
@@ -216,12 +248,11 @@ def compose_prompt(prompt: str, refinements: list[str], separator: str = ", ") -
 
 
 def target_probability(model: torch.nn.Module, tokenizer, prompts: list[str], token_ids: int | list[int],
-                       temperature: float = 1.0, template: str = DEFAULT_TEMPLATE,
-                       byte_tokens: tuple[int, int] = BYTE_TOKENS, eos_id: int = EOS_ID) -> torch.Tensor:
+                       temperature: float = 1.0, template: str = DEFAULT_TEMPLATE) -> torch.Tensor:
     """(B,) policy probability that the first refinement token of each prompt is one of ``token_ids``."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    allowed = allowed_tokens(vocab, byte_tokens, eos_id)
-    ids, attn = encode_contexts(tokenizer, prompts, template)
+    vocab = refiner_vocab(tokenizer, model.get_output_embeddings().weight.shape[0])
+    allowed = vocab.allowed
+    ids, attn = encode_contexts(tokenizer, prompts, template, vocab.pad_id)
     device = next(model.parameters()).device
     with torch.no_grad():
         lp = _forward_log_probs(model, ids.to(device), attn.to(device), allowed, temperature, slice(-1, None))

@@ -1,21 +1,51 @@
-"""The one flow-matching sampler: serving (ODE Euler, CFG) and RL rollouts (FlowGRPO SDE, log p).
+"""The one flow-matching sampler: serving (ODE, CFG) and RL rollouts (FlowGRPO SDE, log p).
 
-Flow matching with ``x_σ = (1-σ)·x0 + σ·ε`` and velocity ``v ≈ ε - x0``; σ runs 1 → 0 over a
-flow-shifted schedule ``σ' = s·σ / (1 + (s-1)·σ)``. ``predict``, sample logging and every rollout go
-through ``FlowMatchSampler.sample``; the SDE step (Flow-GRPO, Liu et al. 2025, eq. 9–12, reference
-``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``) is switched on per call, never by default.
-Everything numeric here runs in float32.
+Flow matching with ``x_σ = (1-σ)·x0 + σ·ε`` and velocity ``v ≈ ε - x0``; σ runs 1 → 0. The σ grid
+and the timesteps the transformer reads come from a **diffusers scheduler object** (set in YAML;
+``FlowMatchEulerDiscreteScheduler(shift=3.0)`` by default), prepared exactly as the diffusers pipelines
+prepare it (``scheduler.set_timesteps``; the generator adapter adds what its pipeline passes, e.g.
+FLUX's resolution-dependent ``mu``), and export writes that same scheduler, so an exported pipeline
+folder run by ``WanPipeline`` reproduces ``predict`` from the same noise.
+
+- ODE steps: the Euler step ``x + (σ_next - σ)·v`` for ``FlowMatchEulerDiscreteScheduler`` (what its
+  ``step`` computes), ``scheduler.step`` for any other flow scheduler (e.g. UniPC, as Wan ships), on a
+  fresh copy of the scheduler per call (multistep schedulers keep history).
+- SDE steps (rollouts only, switched on per call, never by default): Flow-GRPO's step with its
+  per-step log-probability (Liu et al. 2025, eq. 9–12, reference
+  ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``); diffusers has none. They need the Euler
+  scheduler: a multistep ODE solver has no per-step transition density.
+- Few-step students (DMD2, Self-Forcing): ``step_sigmas`` is the student's step list (σ before the flow
+  shift, e.g. [1, .75, .5, .25]), handed to ``scheduler.set_timesteps(sigmas=...)``, which shifts it as
+  it shifts its own grid. Their step is the re-noise rule of the anchors, ``x_next = (1-σ')·x̂0 + σ'·ε``
+  with fresh ε (``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``'s ``step``, computed here
+  in float32 from the call's generator). ``exit_step=k`` stops at step k and returns its x̂0 = x - σ_k·v:
+  steps before k run under ``no_grad``, step k keeps the caller's grad (DMD2's backward simulation,
+  Self-Forcing's exit step).
+- Block-causal students (Self-Forcing): ``chunk_frames`` latent frames at a time, each chunk denoised
+  through the whole step list while attending to the finished chunks in a KV cache, then re-run once at
+  σ = 0 without grad to store its keys/values (Self-Forcing ``pipeline/self_forcing_training.py``).
+  Serving a causal student is the same chunk loop.
+
+``predict``, sample logging and every rollout go through ``FlowMatchSampler.sample``. Everything
+numeric here runs in float32.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-# (x (B, C, F, H, W), sigma (B,), conditioning) -> velocity, same shape as x
-VelocityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from posttrain.modules.conditioning import Conditioning
+
+# (x (B, C, F, H, W), timestep (B,) as the scheduler gives it, conditioning) -> velocity, same shape as x.
+# The chunk loop also passes a block-causal model's ``kv_cache=`` and ``update_cache=`` keywords.
+VelocityFn = Callable[..., torch.Tensor]
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -23,11 +53,11 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """(num_steps + 1,) float32 σ from 1 to 0, shifted."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps={num_steps} must be >= 1")
-    return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift).float()
+def is_flow_scheduler(scheduler: Any) -> bool:
+    """A diffusers scheduler that integrates a flow-matching velocity (σ from 1 to 0)."""
+    config = getattr(scheduler, "config", {})
+    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or bool(config.get("use_flow_sigmas", False)) \
+        or config.get("prediction_type") == "flow_prediction"
 
 
 def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -91,6 +121,18 @@ def ml_velocity(x: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next, noise_
     return (x_next.float() - x.float() * a) / b
 
 
+def renoise_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The few-step students' step (DMD2, Self-Forcing): x̂0 = x - σ·v, then ``x_next = (1-σ')·x̂0 + σ'·ε``
+    with fresh ε — ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True).step``, in float32. At σ' = 0
+    it is x̂0 and draws nothing."""
+    x0 = x.float() - _bcast(sigma, x) * v.float()
+    if float(sigma_next) == 0.0:
+        return x0
+    noise = torch.randn(x0.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    return (1 - _bcast(sigma_next, x0)) * x0 + _bcast(sigma_next, x0) * noise.to(x0.device)
+
+
 def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """Classifier-free guidance: v = v_u + g·(v_c - v_u)."""
     if v_uncond is None or scale == 1.0:
@@ -99,54 +141,140 @@ def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float)
 
 
 @dataclass
+class Schedule:
+    """The prepared σ grid of one sampling call and the scheduler copy that steps it."""
+
+    sigmas: torch.Tensor  # (T + 1,) float32, from ~1 down to 0
+    timesteps: torch.Tensor  # (T,) what the transformer reads at each step (the scheduler's timesteps)
+    scheduler: SchedulerMixin  # a fresh copy with ``set_timesteps`` applied
+
+    @property
+    def sigma_cap(self) -> float:
+        """The first σ below 1: the SDE std's denominator at σ = 1 (Flow-GRPO)."""
+        below = self.sigmas[self.sigmas < 1]
+        return float(below[0]) if len(below) else 0.0
+
+
+@dataclass
 class Trajectory:
     """A sampled batch. ``xs``/``log_probs`` are filled when the rollout captured them."""
 
     latents: torch.Tensor  # (B, C, F, H, W) clean sample at σ = 0
     sigmas: torch.Tensor  # (T + 1,)
+    timesteps: torch.Tensor  # (T,)
     xs: Optional[torch.Tensor] = None  # (T + 1, B, ...) x at each σ, xs[0] the noise
     log_probs: Optional[torch.Tensor] = None  # (T, B) log p of each SDE step (0 for ODE steps)
     sde_mask: Optional[torch.Tensor] = None  # (T,) bool, which steps were stochastic
+    sigma_cap: float = 0.0
+
+
+def _cat(a: Union[Conditioning, torch.Tensor], b: Union[Conditioning, torch.Tensor]):
+    return Conditioning.cat([a, b]) if isinstance(a, Conditioning) else torch.cat([a, b])
 
 
 class FlowMatchSampler:
-    """Euler sampler over a shifted σ schedule, ODE by default, Flow-GRPO SDE on request.
+    """Flow-matching sampler over a diffusers scheduler's σ grid: ODE by default, Flow-GRPO SDE on request.
 
     Args:
-        num_steps: denoising steps.
-        shift: flow shift of the σ schedule.
+        num_steps: denoising steps (``num_inference_steps`` of the pipelines).
+        scheduler: a diffusers flow-matching scheduler; None = ``FlowMatchEulerDiscreteScheduler(shift=3.0)``.
+            Its config (``shift``, …) is what export writes into ``scheduler/``.
         guidance_scale: classifier-free guidance; 1 disables the unconditional pass.
         noise_level: the SDE's ``a`` (Flow-GRPO anchor 0.7).
         sde_window: ``(start, end)`` step indices that are stochastic in an SDE rollout; None = all.
+        step_sigmas: a few-step student's step list, σ of each step before the scheduler's flow shift
+            (DMD2/Self-Forcing anchor [1.0, 0.75, 0.5, 0.25]); its length must be ``num_steps``.
+            None = the scheduler's own grid of ``num_steps``.
+        chunk_frames: latent frames per chunk of a block-causal transformer (``arch: wan_t2v_causal``):
+            sample chunk by chunk with a KV cache. None = the whole video in one pass.
     """
 
-    def __init__(self, num_steps: int = 20, shift: float = 3.0, guidance_scale: float = 1.0,
-                 noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None):
+    def __init__(self, num_steps: int = 20, scheduler: Optional[SchedulerMixin] = None, guidance_scale: float = 1.0,
+                 noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None,
+                 step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None):
         if num_steps < 1:
-            raise ValueError(f"num_steps={num_steps} must be >= 1")
+            raise ValueError(f"sampler: num_steps={num_steps} must be >= 1")
+        if step_sigmas is not None:
+            steps = [float(s) for s in step_sigmas]
+            if not steps:
+                raise ValueError("sampler: step_sigmas=[] is empty; give the student's steps, e.g. "
+                                 "step_sigmas: [1.0, 0.75, 0.5, 0.25] with num_steps: 4, or remove step_sigmas")
+            if not all(0 < s <= 1 for s in steps) or any(a <= b for a, b in zip(steps, steps[1:])):
+                raise ValueError(f"sampler: step_sigmas={steps} must decrease strictly within (0, 1] (σ = 0 is "
+                                 f"appended by the scheduler)")
+            if len(steps) != num_steps:
+                raise ValueError(f"sampler: step_sigmas={steps} has {len(steps)} steps but num_steps={num_steps}; "
+                                 f"set num_steps: {len(steps)}")
+            step_sigmas = steps
+        if chunk_frames is not None and chunk_frames < 1:
+            raise ValueError(f"sampler: chunk_frames={chunk_frames} must be >= 1 latent frame (or null: no chunks)")
         if sde_window is not None and not (0 <= sde_window[0] < sde_window[1] <= num_steps):
-            raise ValueError(f"sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
+            raise ValueError(f"sampler: sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
+        scheduler = scheduler if scheduler is not None else FlowMatchEulerDiscreteScheduler(shift=3.0)
+        if not is_flow_scheduler(scheduler):
+            raise ValueError(f"sampler: scheduler {type(scheduler).__name__} is not a flow-matching scheduler; use "
+                             f"diffusers.FlowMatchEulerDiscreteScheduler, or e.g. UniPCMultistepScheduler with "
+                             f"use_flow_sigmas: true and prediction_type: flow_prediction")
         self.num_steps = num_steps
-        self.shift = shift
+        self.scheduler = scheduler
         self.guidance_scale = guidance_scale
         self.noise_level = noise_level
         self.sde_window = sde_window
-
-    def sigmas(self) -> torch.Tensor:
-        return sigma_schedule(self.num_steps, self.shift)
+        self.step_sigmas = step_sigmas
+        self.chunk_frames = chunk_frames
+        if step_sigmas is not None:
+            self.schedule()  # a scheduler that takes no custom σ list stops here, not mid-run
 
     @property
-    def sigma_cap(self) -> float:
-        return float(self.sigmas()[1])
+    def euler(self) -> bool:
+        """Whether ODE steps are plain Euler (and SDE rollouts are possible)."""
+        return isinstance(self.scheduler, FlowMatchEulerDiscreteScheduler) \
+            and not self.scheduler.config.get("stochastic_sampling", False)
 
-    def velocity(self, model: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
-                 uncond: Optional[torch.Tensor] = None, guidance_scale: Optional[float] = None) -> torch.Tensor:
+    @property
+    def renoise(self) -> bool:
+        """Whether steps re-noise the predicted x̂0 with fresh noise (``stochastic_sampling``: few-step students)."""
+        return isinstance(self.scheduler, FlowMatchEulerDiscreteScheduler) \
+            and bool(self.scheduler.config.get("stochastic_sampling", False))
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return int(self.scheduler.config.get("num_train_timesteps", 1000))
+
+    def timestep_of(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The timestep a transformer reads at noise level σ outside a schedule (training): σ·T_train."""
+        return sigma * self.num_train_timesteps
+
+    def schedule(self, device: Optional[torch.device] = None, **set_timesteps_kwargs) -> Schedule:
+        """σ grid and timesteps as the pipelines prepare them: ``scheduler.set_timesteps(num_steps, ...)``
+        on a fresh copy (extra keyword arguments such as FLUX's ``sigmas``/``mu`` come from the adapter)."""
+        scheduler = copy.deepcopy(self.scheduler)
+        if self.step_sigmas is not None:  # the student's list replaces the pipeline's default grid
+            set_timesteps_kwargs = {**set_timesteps_kwargs, "sigmas": list(self.step_sigmas)}
+        try:
+            scheduler.set_timesteps(self.num_steps, device=device, **set_timesteps_kwargs)
+        except TypeError as err:
+            raise ValueError(f"sampler: {type(scheduler).__name__}.set_timesteps does not take "
+                             f"{sorted(set_timesteps_kwargs)} ({err}); step_sigmas needs a scheduler that takes a "
+                             f"σ list, e.g. FlowMatchEulerDiscreteScheduler") from err
+        sigmas = scheduler.sigmas.to(device=device, dtype=torch.float32)
+        timesteps = scheduler.timesteps.to(device)
+        if len(sigmas) != self.num_steps + 1 or len(timesteps) != self.num_steps or float(sigmas[-1]) != 0.0:
+            raise ValueError(f"sampler: {type(scheduler).__name__} gave {len(timesteps)} timesteps and σ ending at "
+                             f"{float(sigmas[-1]):.3g} for num_steps={self.num_steps}; a first-order flow schedule "
+                             f"of num_steps steps ending at σ = 0 is needed")
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        return Schedule(sigmas=sigmas, timesteps=timesteps, scheduler=scheduler)
+
+    def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None,
+                 guidance_scale: Optional[float] = None) -> torch.Tensor:
         """Guided float32 velocity; the conditional and unconditional passes share one batched forward."""
         g = self.guidance_scale if guidance_scale is None else guidance_scale
-        sigma_b = sigma.float().expand(x.shape[0]).to(x.device)
+        t = timestep.expand(x.shape[0]).to(x.device)
         if uncond is None or g == 1.0:
-            return model(x, sigma_b, cond).float()
-        both = model(torch.cat([x, x]), torch.cat([sigma_b, sigma_b]), torch.cat([cond, uncond])).float()
+            return model(x, t, cond).float()
+        both = model(torch.cat([x, x]), torch.cat([t, t]), _cat(cond, uncond)).float()
         v_cond, v_uncond = both.chunk(2)
         return guided(v_cond, v_uncond, g)
 
@@ -156,60 +284,114 @@ class FlowMatchSampler:
         mask[start:end] = True
         return mask
 
-    def sample(self, model: VelocityFn, noise: torch.Tensor, cond: torch.Tensor,
-               uncond: Optional[torch.Tensor] = None, sde: bool = False, capture: bool = False,
-               generator: Optional[torch.Generator] = None,
-               guidance_scale: Optional[float] = None) -> Trajectory:
-        """Denoise ``noise`` (B, C, F, H, W) from σ = 1 to 0. ``sde=True`` is the RL rollout."""
-        sigmas = self.sigmas()
+    def sample(self, model: VelocityFn, noise: torch.Tensor, cond, uncond=None, sde: bool = False,
+               capture: bool = False, generator: Optional[torch.Generator] = None,
+               guidance_scale: Optional[float] = None, schedule: Optional[Schedule] = None,
+               exit_step: Optional[int] = None, kv_cache: Any = None) -> Trajectory:
+        """Denoise ``noise`` (B, C, F, H, W) from σ = 1 to 0. ``sde=True`` is the RL rollout.
+
+        ``schedule`` is the prepared grid (the generator adapter's ``schedule``); None = this sampler's
+        plain ``schedule()``. ``generator`` draws the SDE noise and the re-noise rule's fresh noise.
+        ``exit_step=k``: stop at step k and return its x̂0 (steps before k under ``no_grad``, step k with the
+        caller's grad). With ``chunk_frames`` set, ``kv_cache`` is the causal model's empty cache (the
+        generator stage makes one) and ``model`` takes ``kv_cache``/``update_cache`` keywords.
+        """
+        if sde and not self.euler:
+            raise ValueError(f"sampler: SDE rollouts need FlowMatchEulerDiscreteScheduler, got "
+                             f"{type(self.scheduler).__name__} (a multistep solver has no per-step log p); keep "
+                             f"it for serving and roll out with the Euler scheduler")
+        if exit_step is not None and not 0 <= exit_step < self.num_steps:
+            raise ValueError(f"sampler: exit_step={exit_step} must be in [0, num_steps={self.num_steps})")
+        if exit_step is not None and (sde or capture):
+            raise ValueError("sampler: exit_step returns one x̂0 with grad; it does not combine with sde/capture")
+        schedule = schedule or self.schedule(noise.device)
+        if self.chunk_frames is None:
+            return self._denoise(model, noise, cond, uncond, sde, capture, generator, guidance_scale, schedule,
+                                 exit_step)
+
+        # Block-causal: chunk by chunk, each attending to the finished chunks through the KV cache
+        # (Self-Forcing ``pipeline/self_forcing_training.py``; CausVid's ``inference.py``).
+        n, num_frames = self.chunk_frames, noise.shape[2]
+        if num_frames % n:
+            raise ValueError(f"sampler: chunk_frames={n} does not divide the {num_frames} latent frames; choose a "
+                             f"divisor of {num_frames} or change run.frames")
+        if sde or capture:
+            raise ValueError("sampler: chunked sampling (chunk_frames) has no SDE rollout or capture")
+        if kv_cache is None:
+            raise ValueError(f"sampler: chunk_frames={n} needs the causal model's kv_cache (GeneratorStage.sample "
+                             f"makes one)")
+        g = self.guidance_scale if guidance_scale is None else guidance_scale
+        chunks = []
+        for start in range(0, num_frames, n):
+            # 1. denoise this chunk's noise through the step list; the cache is read, not written
+            def reader(x, t, c):
+                return model(x, t, c, kv_cache=kv_cache)
+
+            chunk = self._denoise(reader, noise[:, :, start:start + n], cond, uncond, False, False, generator,
+                                  guidance_scale, schedule, exit_step).latents
+            chunks.append(chunk)
+            # 2. the finished chunk, re-run at σ = 0 without grad, stores its keys/values for the next chunks
+            if start + n < num_frames:
+                def writer(x, t, c):
+                    return model(x, t, c, kv_cache=kv_cache, update_cache=True)
+
+                with torch.no_grad():
+                    self.velocity(writer, chunk.detach(), torch.zeros((), device=chunk.device), cond, uncond, g)
+        return Trajectory(latents=torch.cat(chunks, dim=2), sigmas=schedule.sigmas, timesteps=schedule.timesteps,
+                          sde_mask=torch.zeros(self.num_steps, dtype=torch.bool), sigma_cap=schedule.sigma_cap)
+
+    def _denoise(self, model: VelocityFn, noise: torch.Tensor, cond, uncond, sde: bool, capture: bool,
+                 generator: Optional[torch.Generator], guidance_scale: Optional[float], schedule: Schedule,
+                 exit_step: Optional[int]) -> Trajectory:
+        """The step loop over ``schedule`` (one chunk, or the whole video)."""
+        sigmas, timesteps = schedule.sigmas, schedule.timesteps
         sde_mask = self.sde_steps() if sde else torch.zeros(self.num_steps, dtype=torch.bool)
+        last = self.num_steps - 1 if exit_step is None else exit_step
         x = noise.float()
         xs, log_probs = [x], []
-        for i in range(self.num_steps):
+        for i in range(last + 1):
             sigma, sigma_next = sigmas[i], sigmas[i + 1]
-            # 1. velocity at (x, σ), guided
-            v = self.velocity(model, x.to(noise.dtype), sigma, cond, uncond, guidance_scale)
-            # 2. move to σ_next: SDE step with its log-probability, or the plain Euler ODE step
-            if sde_mask[i]:
-                step = sde_step(x, v, sigma, sigma_next, self.noise_level, self.sigma_cap, generator=generator)
-                x, lp = step.x_next, step.log_prob
-            else:
-                x = x + (sigma_next - sigma) * v
-                lp = torch.zeros(x.shape[0], device=x.device)
+            # steps before the exit step carry no grad (DMD2 backward simulation, Self-Forcing)
+            with torch.no_grad() if i < last and exit_step is not None else contextlib.nullcontext():
+                # 1. velocity at (x, t_i), guided
+                v = self.velocity(model, x, timesteps[i], cond, uncond, guidance_scale)
+                if i == exit_step:  # 2'. the exit step returns its x̂0 = x - σ·v (with grad)
+                    x = x - _bcast(sigma, x) * v
+                    break
+                # 2. move to σ_next: SDE step with its log-probability, or the ODE / re-noise step
+                if sde_mask[i]:
+                    step = sde_step(x, v, sigma, sigma_next, self.noise_level, schedule.sigma_cap,
+                                    generator=generator)
+                    x, lp = step.x_next, step.log_prob
+                else:
+                    if self.euler:
+                        x = x + (sigma_next - sigma) * v  # = FlowMatchEulerDiscreteScheduler.step, in float32
+                    elif self.renoise:
+                        x = renoise_step(x, v, sigma, sigma_next, generator)
+                    else:
+                        x = schedule.scheduler.step(v, timesteps[i], x, return_dict=False)[0].float()
+                    lp = torch.zeros(x.shape[0], device=x.device)
             if capture:
                 xs.append(x)
                 log_probs.append(lp)
         return Trajectory(
-            latents=x, sigmas=sigmas,
+            latents=x, sigmas=sigmas, timesteps=timesteps,
             xs=torch.stack(xs) if capture else None,
             log_probs=torch.stack(log_probs) if capture else None,
-            sde_mask=sde_mask,
+            sde_mask=sde_mask, sigma_cap=schedule.sigma_cap,
         )
 
-    def step_log_prob(self, model: VelocityFn, traj: Trajectory, i: int, cond: torch.Tensor,
-                      uncond: Optional[torch.Tensor] = None, index: Optional[torch.Tensor] = None,
-                      guidance_scale: Optional[float] = None) -> SDEStep:
+    def step_log_prob(self, model: VelocityFn, traj: Trajectory, i: int, cond, uncond=None,
+                      index: Optional[torch.Tensor] = None, guidance_scale: Optional[float] = None) -> SDEStep:
         """Recompute step ``i``'s log p of the stored transition under the current weights (with grad).
 
-        ``index`` selects a subset of the batch. At the rollout's weights this reproduces the stored
-        log p (the C2 identity, PPO ratio 1).
+        ``cond``/``uncond`` are of the rows selected by ``index`` (a subset of the batch). At the
+        rollout's weights this reproduces the stored log p (the C2 identity, PPO ratio 1).
         """
         if traj.xs is None:
             raise ValueError("the trajectory was sampled without capture=True; nothing to recompute")
-        sigmas = traj.sigmas
         x, x_next = traj.xs[i], traj.xs[i + 1]
         if index is not None:
             x, x_next = x[index], x_next[index]
-        v = self.velocity(model, x, sigmas[i], cond, uncond, guidance_scale)
-        return sde_step(x, v, sigmas[i], sigmas[i + 1], self.noise_level, self.sigma_cap, x_next=x_next)
-
-
-def wan_velocity(transformer: torch.nn.Module) -> VelocityFn:
-    """Wan's transformer as a velocity function: timesteps are σ·1000 (diffusers' flow-match scheduler)."""
-
-    def fn(x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        dtype = next(transformer.parameters()).dtype
-        return transformer(hidden_states=x.to(dtype), timestep=sigma * 1000, encoder_hidden_states=cond.to(dtype),
-                           return_dict=False)[0]
-
-    return fn
+        v = self.velocity(model, x, traj.timesteps[i], cond, uncond, guidance_scale)
+        return sde_step(x, v, traj.sigmas[i], traj.sigmas[i + 1], self.noise_level, traj.sigma_cap, x_next=x_next)

@@ -20,8 +20,7 @@ def _wan_stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor,
 @torch.no_grad()
 def encode(vae: torch.nn.Module, video: torch.Tensor, sample: bool = False,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, C, F, H, W) pixels -> (B, z, F', H/s, W/s) normalized float32 latents (mode unless ``sample``);
-    s is the VAE's spatial compression (``spatial_factor``)."""
+    """(B, C, F, H, W) pixels -> (B, z, F', h, w) normalized float32 latents (mode unless ``sample``)."""
     dtype = next(vae.parameters()).dtype
     if isinstance(vae, AutoencoderKLWan):
         dist = vae.encode(video.to(dtype)).latent_dist
@@ -52,20 +51,29 @@ def decode(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"no latent codec for {type(vae).__name__}")
 
 
-def spatial_factor(vae: torch.nn.Module) -> int:
-    """Pixels per latent pixel along H and W: 2 per down level (diffusers' ``vae_scale_factor``)."""
+def scale_factors(vae: torch.nn.Module) -> tuple[int, int]:
+    """(temporal, spatial) compression of a VAE, from its config (as the diffusers pipelines read it)."""
+    vae = vae.module if type(vae).__name__ == "DeepSpeedEngine" else vae
     if isinstance(vae, AutoencoderKLWan):
-        return 2 ** len(vae.config.temperal_downsample)
-    return 2 ** (len(vae.config.block_out_channels) - 1)
+        return int(vae.config.scale_factor_temporal), int(vae.config.scale_factor_spatial)
+    return 1, 2 ** (len(vae.config.block_out_channels) - 1)
 
 
-def latent_shape(vae: torch.nn.Module, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-    """(C, F', h, w) of the latents of a (frames, height, width) video."""
-    s = spatial_factor(vae)
-    if isinstance(vae, AutoencoderKLWan):
-        t = 2 ** sum(vae.config.temperal_downsample)
-        if (frames - 1) % t or height % s or width % s:
-            raise ValueError(f"this Wan VAE needs frames = {t}k+1 and H, W multiples of {s}; "
-                             f"got {frames}x{height}x{width}")
-        return vae.config.z_dim, (frames - 1) // t + 1, height // s, width // s
-    return vae.config.latent_channels, frames, height // s, width // s
+def latent_shape(vae: torch.nn.Module, frames: int, height: int, width: int, patch: tuple[int, int] = (1, 1)
+                 ) -> tuple[int, int, int, int]:
+    """(C, F', h, w) latents of a (frames, height, width) video; a size the VAE (times the transformer's
+    spatial ``patch``) cannot take is an error that names the option and a size that works."""
+    temporal, spatial = scale_factors(vae)
+    problems = []
+    if (frames - 1) % temporal:
+        problems.append(f"frames={frames} must be {temporal}k+1 (the VAE compresses time by {temporal}); "
+                        f"e.g. {-(-max(frames - 1, 0) // temporal) * temporal + 1}")
+    for name, value, p in (("height", height, patch[0]), ("width", width, patch[1])):
+        if value < 1 or value % (spatial * p):
+            problems.append(f"{name}={value} must be a multiple of {spatial * p} (VAE factor {spatial}"
+                            f"{f' × patch {p}' if p > 1 else ''}); e.g. {max(1, -(-value // (spatial * p))) * spatial * p}")
+    if problems:
+        raise ValueError("video size: " + "; ".join(problems))
+    config = (vae.module if type(vae).__name__ == "DeepSpeedEngine" else vae).config
+    channels = config.z_dim if isinstance(vae, AutoencoderKLWan) else config.latent_channels
+    return channels, (frames - 1) // temporal + 1, height // spatial, width // spatial

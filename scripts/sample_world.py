@@ -73,7 +73,7 @@ def main() -> None:
     transformer = presets.build_model("wan_t2v", pretrained=args.transformer).eval()
     encoder = presets.build_model("umt5", pretrained=args.text_encoder).eval()
     vae = presets.build_model("wan_vae", pretrained=args.vae).eval()
-    sampler = FlowMatchSampler(num_steps=args.steps, shift=3.0, guidance_scale=args.guidance)
+    sampler = FlowMatchSampler(num_steps=args.steps, guidance_scale=args.guidance)
     videos = generate(transformer, encoder, presets.build_tokenizer(), vae, prompts, seed=args.seed,
                       frames=args.frames, height=args.size, width=args.size, sampler=sampler)
 

@@ -13,9 +13,10 @@ script stops at ``--steps`` or ``--minutes``, whichever comes first, and prints 
     python scripts/train_world.py --out modules/assets --minutes 40     # 40 min on 2 CPU cores
 
 The shipped ``modules/assets/umt5`` and ``wan_t2v`` are that run (3131 steps in 40 min, lr 1e-3, on the
-shipped VAE's latents). It does not follow prompts yet: at its last check its samples of 64 seen-concept
-prompts read back shape 0.23, colour 0.30, background 0.61, motion 0.16, all four 0.0 (chance: 1/3,
-1/6, 1/6, 1/4); ``python scripts/sample_world.py`` re-measures (tests/test_world.py holds the target).
+shipped VAE's latents). It does not follow prompts yet: ``--evaluate modules/assets`` reads back, on 64
+seen-concept prompts, shape 0.27, colour 0.30, background 0.61, motion 0.16, all four 0.0 (chance: 1/3,
+1/6, 1/6, 1/4; the run's own last check, on its σ grid shift(linspace(1, 0, 21)), gave 0.23 / 0.30 /
+0.61 / 0.16 / 0.0); tests/test_world.py holds the target.
 
 Writes ``<out>/umt5`` and ``<out>/wan_t2v`` (``save_pretrained``, safetensors). Needs the VAE asset
 (``scripts/train_vae.py``) first: the generator is trained in that VAE's latent space.
@@ -35,11 +36,12 @@ from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.modules import vae as vae_codec
+from posttrain.modules.conditioning import Conditioning
 from posttrain.modules.evaluation import evaluate_generator
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
 from posttrain.modules.presets import PRESETS, TRAINED_ASSETS, build_model
-from posttrain.modules.samplers import FlowMatchSampler, wan_velocity
-from posttrain.modules.text import embed_tokens, tokenize
+from posttrain.modules.generators import ADAPTERS, wan_text_states, wan_tokens
+from posttrain.modules.samplers import FlowMatchSampler
 
 
 def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str) -> tuple[torch.Tensor, list[str]]:
@@ -81,7 +83,7 @@ def geneval(transformer, encoder, tokenizer, vae, args) -> dict[str, dict[str, f
     for name, data in {"seen": seen, "held_out": held_out}.items():
         result = evaluate_generator(transformer, encoder, tokenizer, vae, [data[i]["prompt"] for i in range(len(data))],
                                     frames=args.frames, height=args.size, width=args.size,
-                                    sampler=FlowMatchSampler(num_steps=20, shift=3.0, guidance_scale=args.guidance),
+                                    sampler=FlowMatchSampler(num_steps=20, guidance_scale=args.guidance),
                                     text_max_length=args.text_max_length)
         scores[name] = {k: round(float(v), 3) for k, v in result.items()}
     return scores
@@ -141,7 +143,7 @@ def main() -> None:
         return scores
 
     # every caption is tokenized once; the empty prompt (caption dropout) is the last row
-    ids, mask = tokenize(tokenizer, prompts + [""], args.text_max_length)
+    ids, mask = wan_tokens(tokenizer, prompts + [""], args.text_max_length)
     g = torch.Generator().manual_seed(0)
     start, step, history = time.time(), 0, []
     while step < args.steps and time.time() - start < args.minutes * 60:
@@ -151,11 +153,11 @@ def main() -> None:
         # 1. captions, a share dropped to the empty prompt (the unconditional branch of CFG)
         drop = torch.rand(args.batch_size, generator=g) < args.caption_dropout
         rows = torch.where(drop, len(prompts), idx)
-        cond = embed_tokens(encoder, ids[rows], mask[rows])
+        cond = Conditioning(encoder_hidden_states=wan_text_states(encoder, ids[rows], mask[rows]))
         # 2. x_σ = (1-σ)·x0 + σ·ε at logit-normal σ; v_θ regressed onto ε - x0, through both models
         sigma = sample_sigmas(args.batch_size, "logit_normal", g)
         noise = torch.randn(x0.shape, generator=g)
-        v = wan_velocity(transformer)(noised(x0, noise, sigma), sigma, cond)
+        v = ADAPTERS["wan_t2v"].velocity(transformer, noised(x0, noise, sigma), sigma * 1000, cond)
         loss = flow_matching_loss(v, x0, noise)[0].mean()
         opt.zero_grad()
         loss.backward()

@@ -9,29 +9,28 @@ from typing import Optional
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from posttrain.lit.base import ExpertModule
+from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
-from posttrain.modules import vae as vae_codec
 from posttrain.modules.losses import flow_matching_loss, noised
-from posttrain.modules.samplers import wan_velocity
 
 
 class TwoExperts(ExpertModule):
     """Finetune two generators (``transformer`` and ``critic``) on the same batch, two optimizers."""
 
     def __init__(self, card: ModelCard, seed: int = 0, nan_at: Optional[int] = None, max_nan_steps: int = 3):
-        super().__init__(card, seed=seed, max_nan_steps=max_nan_steps)
+        super().__init__(card, run=RunArgs(seed=seed, max_nan_steps=max_nan_steps))
         self.nan_at = nan_at
         self.calls = 0
 
     def training_step(self, batch, batch_idx):
         self.calls += 1
-        x0 = vae_codec.encode(self.card["vae"], batch["video"])
-        cond = self.card.prompt_embeds(list(batch["prompt"]))
+        x0 = self.stage.encode(batch["video"])
+        cond = self.stage.condition(list(batch["prompt"]))
         for name in ("transformer", "critic"):
             sigma = torch.rand(x0.shape[0], generator=self.generator)
             noise = torch.randn(x0.shape, generator=self.generator)
-            v = wan_velocity(self.card[name])(noised(x0, noise, sigma), sigma, cond)
+            with self.stage.velocity(name) as velocity:
+                v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
             loss = flow_matching_loss(v, x0, noise)[0].mean()
             if self.nan_at is not None and self.calls >= self.nan_at and name == "transformer":
                 loss = loss * float("nan")

@@ -16,11 +16,9 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 
-from posttrain.lit.base import ExpertModule
-from posttrain.modules import vae as vae_codec
+from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
-from posttrain.modules.samplers import wan_velocity
 from tests.conftest import TINY_WAN
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,9 +53,9 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
                            "init_args": {"dirpath": os.path.join(root, "ckpt"), "every_n_train_steps": 2,
                                          "save_last": True, "save_top_k": 0}}, *callbacks],
         },
-        "model": {"class_path": model, "init_args": {"card": {"experts": cards}, **SIZE, **model_args}},
+        "model": {"class_path": model, "init_args": {"card": {"experts": cards}, "run": SIZE, **model_args}},
         "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
-                 "init_args": {"num_samples": 16, "batch_size": 2, **SIZE}},
+                 "init_args": {"num_samples": 16, "batch_size": 2}},
     }
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, "config.in.yaml")
@@ -99,22 +97,38 @@ class TwoExperts(ExpertModule):
     flow-matching velocity; the ``critic`` (a second Wan) regresses the transformer's detached
     prediction, as a DMD2 fake-score critic does. One ``step_experts`` per expert."""
 
-    def __init__(self, card: ModelCard, seed: int = 0, frames: int = 5, height: int = 32, width: int = 32):
-        super().__init__(card, seed=seed, frames=frames, height=height, width=width)
+    def __init__(self, card: ModelCard, run: Optional[RunArgs] = None):
+        super().__init__(card, run=run)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        x0 = vae_codec.encode(self.card["vae"], batch["video"])
-        cond = self.card.prompt_embeds(list(batch["prompt"])).to(self.device)
+        x0 = self.stage.encode(batch["video"])
+        cond = self.stage.condition(list(batch["prompt"]), self.device)
         sigma = sample_sigmas(x0.shape[0], "uniform", self.generator)
         noise = torch.randn(x0.shape, generator=self.generator)
         x_sigma = noised(x0, noise, sigma)
         # 1. generator: flow matching
-        v = wan_velocity(self.card["transformer"])(x_sigma, sigma, cond)
+        t = self.sampler.timestep_of(sigma)
+        with self.stage.velocity("transformer") as velocity:
+            v = velocity(x_sigma, t, cond)
         loss, _ = flow_matching_loss(v, x0, noise)
         self.step_experts(loss.mean(), ["transformer"])
         # 2. critic: regress the generator's (detached) velocity
-        v_critic = wan_velocity(self.card["critic"])(x_sigma, sigma, cond)
+        with self.stage.velocity("critic") as velocity:
+            v_critic = velocity(x_sigma, t, cond)
         critic_loss = (v_critic.float() - v.detach().float()).pow(2).mean()
         self.step_experts(critic_loss, ["critic"])
         self.log("train/loss", loss.mean().detach(), on_step=True)
         return loss.mean().detach()
+
+
+class RecordExitSteps(Callback):
+    """Append ``<iteration> <exit step>`` of every iteration to ``<folder>/exit_<rank>.txt`` (a distillation
+    method logs ``train/exit_step``, which must be the same on every process)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.callback_metrics.get("train/exit_step")
+        with open(os.path.join(self.folder, f"exit_{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{trainer.global_step} {None if step is None else int(step)}\n")

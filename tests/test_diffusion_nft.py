@@ -4,6 +4,7 @@ import torch
 
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
@@ -13,7 +14,7 @@ from tests.helpers import quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
 VAE = Expert(arch="wan_vae")
-VIDEO = dict(frames=5, height=16, width=16)
+VIDEO = dict(run=RunArgs(frames=5, height=16, width=16))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make(lr: float = 1e-3, reward=None, **kwargs) -> DiffusionNFT:
     card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": VAE,
                       "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr))}, text_max_length=32)
-    defaults = dict(num_samples_per_prompt=4, sampler=FlowMatchSampler(num_steps=8, shift=3.0), **VIDEO)
+    defaults = dict(num_samples_per_prompt=4, sampler=FlowMatchSampler(num_steps=8), **VIDEO)
     defaults.update(kwargs)
     return DiffusionNFT(card, reward=reward, **defaults)
 

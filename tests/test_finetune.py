@@ -7,10 +7,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.finetune import Finetune
-from posttrain.modules import vae as vae_codec
 from posttrain.modules.cards import Expert
 from posttrain.modules.losses import flow_matching_loss, noised
-from posttrain.modules.samplers import wan_velocity
 from tests.conftest import TINY_WAN, adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
 
@@ -19,14 +17,15 @@ def held_out_loss(module: Finetune, dm: SyntheticVideos) -> float:
     """Flow-matching loss on fixed held-out videos, fixed σ grid and fixed noise."""
     batch = next(iter(dm.val_dataloader()))
     with torch.no_grad():
-        x0 = vae_codec.encode(module.card["vae"], batch["video"])
-        cond = module.card.prompt_embeds(list(batch["prompt"]))
+        x0 = module.stage.encode(batch["video"])
+        cond = module.stage.condition(list(batch["prompt"]))
         g = torch.Generator().manual_seed(0)
         losses = []
         for s in (0.2, 0.4, 0.6, 0.8):
             noise = torch.randn(x0.shape, generator=g)
             sigma = torch.full((x0.shape[0],), s)
-            v = wan_velocity(module.card["transformer"])(noised(x0, noise, sigma), sigma, cond)
+            with module.stage.velocity("transformer") as velocity:
+                v = velocity(noised(x0, noise, sigma), sigma * 1000, cond)
             losses.append(flow_matching_loss(v, x0, noise)[0].mean())
     return torch.stack(losses).mean().item()
 

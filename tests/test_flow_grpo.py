@@ -6,6 +6,7 @@ import posttrain.lit.flow_grpo as flow_grpo_module
 from posttrain.callbacks.parity import C2Check, C2ViolationError
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.base import RunArgs
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
@@ -15,7 +16,7 @@ from tests.helpers import quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
 VAE = Expert(arch="wan_vae")
-VIDEO = dict(frames=5, height=16, width=16)
+VIDEO = dict(run=RunArgs(frames=5, height=16, width=16))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,7 +29,7 @@ def rl_card(lr: float) -> ModelCard:
 
 def make(lr: float = 1e-3, reward=None, **kwargs) -> FlowGRPO:
     defaults = dict(num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004,
-                    sampler=FlowMatchSampler(num_steps=8, shift=3.0), **VIDEO)
+                    sampler=FlowMatchSampler(num_steps=8), **VIDEO)
     defaults.update(kwargs)
     return FlowGRPO(rl_card(lr), reward=reward, **defaults)
 

@@ -13,6 +13,7 @@ from PIL import Image
 import posttrain.datamodules.folder as folder
 from posttrain.datamodules.folder import VideoFolder
 from posttrain.datamodules.synthetic import COLOURS, render
+from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.media import write_media
@@ -197,7 +198,7 @@ def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_pa
         "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True,
                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
         text_max_length=32)
-    module = Finetune(card, frames=5, height=16, width=16)
+    module = Finetune(card, run=RunArgs(frames=5, height=16, width=16))
 
     def data():
         return VideoFolder(str(clips), frames=5, height=16, width=16, latents_cache=str(cache), val_fraction=0.2,
@@ -304,7 +305,7 @@ def test_split_errors(clips):
 def test_cache_with_a_size_the_vae_cannot_encode(clips, tmp_path):
     dm = VideoFolder(str(clips), frames=4, height=16, width=16, latents_cache=str(tmp_path / "cache"),
                      vae=Expert(arch="wan_vae", pretrained=saved_vae(tmp_path / "vae")))
-    with pytest.raises(ValueError, match=r"Wan VAE needs frames = 4k\+1 .* got 4x16x16"):
+    with pytest.raises(ValueError, match=r"frames=4 must be 4k\+1 \(the VAE compresses time by 4\); e.g. 5"):
         dm.prepare_data()
 
 
@@ -326,4 +327,4 @@ def test_finetune_folder_config_parses(clips, tmp_path, monkeypatch):
     assert isinstance(cli.datamodule, VideoFolder) and isinstance(cli.model, Finetune)
     assert cli.datamodule.root == str(clips) and cli.datamodule.latents_cache is not None
     assert (cli.datamodule.frames, cli.datamodule.height, cli.datamodule.width) == \
-        (cli.model.frames, cli.model.height, cli.model.width)
+        (cli.model.video.frames, cli.model.video.height, cli.model.video.width)

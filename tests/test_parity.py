@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from posttrain.callbacks.parity import C2Check, C2ViolationError
-from posttrain.modules.rollout import c2_gap, ppo_step_loss, recompute_log_probs, rollout
+from posttrain.modules.generators import GeneratorStage, VideoSize
+from posttrain.modules.rollout import c2_gap, mean_metrics, ppo_step_losses, recompute_log_probs, rollout
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import wan_card
 
@@ -12,36 +13,57 @@ from tests.conftest import wan_card
 def rolled():
     card = wan_card()
     card.build()
-    sampler = FlowMatchSampler(num_steps=4, shift=3.0, guidance_scale=2.0)
-    cond = card.prompt_embeds(["a red circle moving left on a blue background"] * 2)
-    uncond = card.prompt_embeds([""] * 2)
-    traj = rollout(sampler, card["transformer"], cond, (16, 2, 2, 2), torch.Generator().manual_seed(0),
+    stage = GeneratorStage(card)
+    sampler = FlowMatchSampler(num_steps=4, guidance_scale=2.0)
+    cond, uncond = stage.conditioning(["a red circle moving left on a blue background"] * 2, 2.0)
+    traj = rollout(stage, sampler, cond, stage.latent_shape(VideoSize(5, 16, 16)), torch.Generator().manual_seed(0),
                    uncond=uncond, guidance_scale=2.0)
-    return card, sampler, cond, uncond, traj
+    return stage, sampler, cond, uncond, traj
 
 
 def test_c2_identity_at_rollout_weights(rolled):
-    card, sampler, cond, uncond, traj = rolled
+    stage, sampler, cond, uncond, traj = rolled
     assert traj.log_probs.shape == (4, 2) and traj.xs.shape[:2] == (5, 2)
-    gap = c2_gap(sampler, card["transformer"], traj, cond, uncond, guidance_scale=2.0)
+    gap = c2_gap(stage, sampler, traj, cond, uncond, guidance_scale=2.0)
     assert gap < 1e-5
     # a different CFG scale at recompute is a different policy: the gap is large
-    assert c2_gap(sampler, card["transformer"], traj, cond, uncond, guidance_scale=1.0) > 1e-3
-    torch.testing.assert_close(recompute_log_probs(sampler, card["transformer"], traj, cond, uncond, 2.0),
+    assert c2_gap(stage, sampler, traj, cond, uncond, guidance_scale=1.0) > 1e-3
+    torch.testing.assert_close(recompute_log_probs(stage, sampler, traj, cond, uncond, 2.0),
                                traj.log_probs, atol=1e-5, rtol=0)
 
 
 def test_ppo_ratio_is_one_and_kl_zero_at_rollout_weights(rolled):
     """At the rollout's weights: ratio 1, nothing clipped, KL to an identical reference 0 — and the
     loss still has a gradient (the policy gradient -A·∇log p, plus a KL that carries gradient)."""
-    card, sampler, cond, uncond, traj = rolled
-    loss, m = ppo_step_loss(sampler, card["transformer"], card["transformer"], traj, [0, 2], cond,
-                            torch.tensor([1.0, -1.0]), 1e-3, 0.1, uncond, 2.0)
+    stage, sampler, cond, uncond, traj = rolled
+    metrics = {}
+    parts = ppo_step_losses(stage, sampler, traj, [0, 2], cond, torch.tensor([1.0, -1.0]), 1e-3, 0.1, uncond, 2.0,
+                            reference="transformer", metrics=metrics)
+    assert len(parts) == 2 and not metrics  # nothing is computed before it is asked for
+    for part in parts:  # per-step backward: one step's graph at a time
+        part().backward()
+    m = mean_metrics(metrics)
     assert abs(m["ratio_mean"].item() - 1) < 1e-5 and m["clip_frac"].item() == 0.0 and m["kl"].item() < 1e-10
-    loss.backward()
-    grads = [p.grad for p in card["transformer"].parameters() if p.grad is not None]
+    transformer = stage.card["transformer"]
+    grads = [p.grad for p in transformer.parameters() if p.grad is not None]
     assert grads and sum(g.abs().sum() for g in grads) > 0
-    card["transformer"].zero_grad(set_to_none=True)
+    transformer.zero_grad(set_to_none=True)
+
+
+def test_per_step_backward_equals_one_backward_of_the_sum(rolled):
+    """Backing up each step's loss as it comes (activation memory of one step) gives the gradients of
+    one backward of the summed loss."""
+    stage, sampler, cond, uncond, traj = rolled
+    transformer = stage.card["transformer"]
+    args = (stage, sampler, traj, [0, 1, 3], cond, torch.tensor([0.7, -1.2]), 1e-3, 0.1, uncond, 2.0)
+    for part in ppo_step_losses(*args, reference="transformer"):
+        part().backward()
+    per_step = [p.grad.clone() for p in transformer.parameters()]
+    transformer.zero_grad(set_to_none=True)
+    sum(part() for part in ppo_step_losses(*args, reference="transformer")).backward()
+    for a, p in zip(per_step, transformer.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=1e-5)
+    transformer.zero_grad(set_to_none=True)
 
 
 class FakeTrainer:

@@ -12,11 +12,12 @@ from posttrain.modules.refiners import (
     EOS_ID,
     PAD_ID,
     Refinements,
-    allowed_tokens,
     completion_log_probs,
     compose_prompt,
     encode_contexts,
     k3_kl,
+    refiner_vocab,
+    restricted,
     sample_refinements,
     target_probability,
     token_pg_loss,
@@ -76,13 +77,38 @@ def test_compose_prompt_in_order_skipping_empty():
     assert compose_prompt("a red circle", []) == "a red circle"
 
 
-def test_allowed_tokens_are_bytes_and_eos():
-    allowed = allowed_tokens(384)
-    assert allowed.sum().item() == 256 + 1
-    assert allowed[EOS_ID] and allowed[3] and allowed[258]
-    assert not allowed[PAD_ID] and not allowed[2] and not allowed[259]
-    with pytest.raises(ValueError, match="byte_tokens"):
-        allowed_tokens(100)
+def test_allowed_tokens_are_printable_ascii_and_eos():
+    """From ByT5's vocabulary: the 95 printable ASCII bytes (0x20…0x7E, ids 35…129) and EOS; no control byte,
+    no byte above 0x7F (alone it is a partial UTF-8 sequence), no special or extra id."""
+    allowed = refiner_vocab(build_tokenizer(), 384).allowed
+    assert allowed.sum().item() == 95 + 1
+    assert allowed[EOS_ID] and allowed[3 + ord(" ")] and allowed[3 + ord("~")]
+    assert not allowed[PAD_ID] and not allowed[2] and not allowed[3 + ord("\n")] and not allowed[3 + 0x80]
+    assert not allowed[259:].any()
+    with pytest.raises(ValueError, match="eos_token_id=1 must lie in the LM's vocabulary"):
+        refiner_vocab(build_tokenizer(), 1)
+
+
+def test_a_byte_level_bpe_vocabulary_keeps_whole_characters(tmp_path):
+    """A real LM's byte-level BPE tokenizer (trained here on a few strings, as Qwen2's is built): allowed are
+    the tokens that decode alone to printable text; a token holding half of a multi-byte character is not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["a red circle moving left", "é ü 你好"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    vocab = refiner_vocab(tok, len(tok))
+    texts = tok.batch_decode([[i] for i in range(len(tok))])
+    assert vocab.allowed[vocab.eos_id] and vocab.pad_id == vocab.eos_id
+    assert all(texts[i].isprintable() and "\ufffd" not in texts[i] for i in range(len(tok))
+               if vocab.allowed[i] and i != vocab.eos_id)
+    partial = [i for i, text in enumerate(texts) if "\ufffd" in text]
+    assert partial and not vocab.allowed[partial].any()  # lone bytes of é, ü, 你 are never emitted
 
 
 def test_contexts_are_left_padded():
@@ -101,16 +127,20 @@ def test_sampling_emits_only_bytes_and_is_seeded(lm):
     c = sample_refinements(model, tok, PROMPTS * 4, torch.Generator().manual_seed(2), max_new_tokens=16)
     emitted = a.tokens[a.mask]
     assert emitted.numel() > 100
-    assert allowed_tokens(384)[emitted].all()
+    assert refiner_vocab(tok, 384).allowed[emitted].all()
     assert torch.equal(a.tokens, b.tokens) and a.texts == b.texts
     assert not torch.equal(a.tokens, c.tokens)
+    # the decoded text is exactly the tokens trained on: it re-encodes to them (nothing dropped)
+    for text, tokens, mask in zip(a.texts, a.tokens.tolist(), a.mask.tolist()):
+        emitted_row = [t for t, m in zip(tokens, mask) if m and t != EOS_ID]
+        assert tok(text, add_special_tokens=False).input_ids == emitted_row
 
 
 def test_eos_ends_a_completion_and_padding_is_masked(lm):
     """With bytes 3…4 allowed, EOS is one of three choices: most rows stop early."""
     model, tok = lm
     r = sample_refinements(model, tok, PROMPTS * 4, torch.Generator().manual_seed(0), max_new_tokens=8,
-                           byte_tokens=(3, 4))
+                           vocab=restricted(refiner_vocab(tok, 384), [3, 4]))
     stopped = 0
     for row_tokens, row_mask, row_lp in zip(r.tokens.tolist(), r.mask.tolist(), r.log_probs.tolist()):
         if EOS_ID in row_tokens:
@@ -134,7 +164,7 @@ def test_recomputed_log_probs_equal_captured_padded_or_not(lm):
         row = r.select(torch.tensor([i]))
         keep = row.context_mask[0].bool()
         alone = Refinements(row.texts, row.tokens, row.mask, row.log_probs, row.context_ids[:, keep],
-                            row.context_mask[:, keep])
+                            row.context_mask[:, keep], row.vocab)
         assert (completion_log_probs(model, alone) - row.log_probs).abs().max() < 1e-5
 
 

@@ -27,7 +27,7 @@ def write_config(tmp_path, name: str, kill_at: int | None = None) -> str:
     trainer = config["trainer"]
     trainer.update(max_steps=9, val_check_interval=None, check_val_every_n_epoch=1, limit_val_batches=1,
                    enable_progress_bar=False)
-    trainer["logger"]["init_args"].update(save_dir=str(run), name=name)
+    trainer["default_root_dir"] = str(run)
     trainer["callbacks"] = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(run / "checkpoints"), "every_n_train_steps": 3, "save_last": True}},

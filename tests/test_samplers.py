@@ -6,19 +6,70 @@ import math
 import pytest
 import torch
 
+from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from posttrain.modules.conditioning import Conditioning
+from posttrain.modules.generators import ADAPTERS
 from posttrain.modules.samplers import (
     FlowMatchSampler, gaussian_log_prob, guided, ml_velocity, sde_mean, sde_std, sde_step, shift_sigmas,
-    sigma_schedule, wan_velocity,
 )
 
 
-def test_shift_and_schedule():
-    """σ' = sσ/(1+(s-1)σ): s=3, σ=0.5 gives 1.5/2 = 0.75; endpoints stay at 1 and 0."""
+def velocity_of(model):
+    """Wan T2V's velocity function over a raw (B, L, D) text tensor."""
+    return lambda x, t, c: ADAPTERS["wan_t2v"].velocity(model, x, t, Conditioning(encoder_hidden_states=c))
+
+
+def test_schedule_is_the_diffusers_schedulers():
+    """σ and timesteps are what FlowMatchEulerDiscreteScheduler(shift=3).set_timesteps(4) gives — σ_i =
+    shift(linspace(1, σ_min, 4)) then 0 with σ_min = shift(1/1000), timesteps 1000·σ — not
+    shift(linspace(1, 0, 5)), which differs by up to 0.13 at the last step (what WanPipeline would not
+    reproduce)."""
     assert shift_sigmas(torch.tensor(0.5), 3.0).item() == pytest.approx(0.75)
-    s = sigma_schedule(4, shift=3.0)
-    assert s.shape == (5,) and s[0] == 1.0 and s[-1] == 0.0
-    assert torch.all(s[1:] < s[:-1])
-    assert s[2].item() == pytest.approx(0.75)
+    schedule = FlowMatchSampler(num_steps=4).schedule()
+    reference = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    reference.set_timesteps(4)
+    assert torch.equal(schedule.sigmas, reference.sigmas) and torch.equal(schedule.timesteps, reference.timesteps)
+    assert schedule.sigmas[0] == 1.0 and schedule.sigmas[-1] == 0.0 and torch.all(schedule.sigmas.diff() < 0)
+    expected = shift_sigmas(torch.linspace(1.0, shift_sigmas(torch.tensor(1 / 1000), 3.0).item(), 4), 3.0)
+    torch.testing.assert_close(schedule.sigmas[:-1], expected)
+    old = shift_sigmas(torch.linspace(1.0, 0.0, 5), 3.0)
+    assert (schedule.sigmas - old).abs().max() > 0.1
+
+
+def test_euler_step_is_the_schedulers_step(wan):
+    """The sampler's ODE step for the Euler scheduler equals ``scheduler.step`` exactly."""
+    sampler = FlowMatchSampler(num_steps=3, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    fn = velocity_of(wan)
+    noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    reference = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    reference.set_timesteps(3)
+    x = noise
+    with torch.no_grad():
+        ours = sampler.sample(fn, noise, cond).latents
+        for t in reference.timesteps:
+            x = reference.step(fn(x, t.expand(1), cond).float(), t, x, return_dict=False)[0]
+    assert torch.equal(ours, x)
+
+
+def test_another_flow_scheduler_serves_but_does_not_roll_out(wan):
+    """UniPC (as Wan ships it) drives ODE serving through its own ``step``; an SDE rollout needs Euler;
+    a scheduler that is not flow matching is refused at construction."""
+    unipc = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction")
+    sampler = FlowMatchSampler(num_steps=4, scheduler=unipc)
+    fn = velocity_of(wan)
+    noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = sampler.sample(fn, noise, cond).latents
+        b = sampler.sample(fn, noise, cond).latents  # a fresh scheduler copy per call: same result
+        euler = FlowMatchSampler(num_steps=4).sample(fn, noise, cond).latents
+    assert torch.equal(a, b) and not torch.allclose(a, euler)
+    with pytest.raises(ValueError, match="SDE rollouts need FlowMatchEulerDiscreteScheduler"):
+        sampler.sample(fn, noise, cond, sde=True)
+    with pytest.raises(ValueError, match="not a flow-matching scheduler"):
+        FlowMatchSampler(scheduler=DDIMScheduler())
 
 
 def test_sde_log_prob_is_the_gaussian_density():
@@ -94,11 +145,11 @@ def wan():
 def test_c2_identity_recompute_equals_stored(wan):
     """Recomputing every SDE step's log p of a captured rollout under unchanged weights gives the stored
     value (PPO ratio 1); a different guidance scale at recompute breaks it."""
-    sampler = FlowMatchSampler(num_steps=4, shift=3.0, guidance_scale=1.0)
+    sampler = FlowMatchSampler(num_steps=4, guidance_scale=1.0)
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(2, 16, 3, 4, 4, generator=g)
     cond, uncond = torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 32, generator=g)
-    fn = wan_velocity(wan)
+    fn = velocity_of(wan)
     with torch.no_grad():
         traj = sampler.sample(fn, noise, cond, uncond, sde=True, capture=True, generator=g)
         assert traj.xs.shape == (5, 2, 16, 3, 4, 4) and traj.log_probs.shape == (4, 2)
@@ -113,7 +164,7 @@ def test_ode_is_deterministic_and_sde_is_not(wan):
     sampler = FlowMatchSampler(num_steps=3)
     noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
     cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
-    fn = wan_velocity(wan)
+    fn = velocity_of(wan)
     with torch.no_grad():
         a = sampler.sample(fn, noise, cond).latents
         b = sampler.sample(fn, noise, cond).latents
@@ -127,11 +178,11 @@ def test_batched_cfg_equals_two_passes(wan):
     g = torch.Generator().manual_seed(0)
     x, cond = torch.randn(2, 16, 3, 4, 4, generator=g), torch.randn(2, 8, 32, generator=g)
     uncond = torch.zeros_like(cond)
-    fn = wan_velocity(wan)
-    sigma = torch.tensor(0.6)
+    fn = velocity_of(wan)
+    t = torch.tensor(600.0)
     with torch.no_grad():
-        v = sampler.velocity(fn, x, sigma, cond, uncond)
-        vc, vu = fn(x, sigma.expand(2), cond), fn(x, sigma.expand(2), uncond)
+        v = sampler.velocity(fn, x, t, cond, uncond)
+        vc, vu = fn(x, t.expand(2), cond), fn(x, t.expand(2), uncond)
     torch.testing.assert_close(v, vu + 4.0 * (vc - vu), atol=1e-5, rtol=1e-4)
 
 
@@ -140,3 +191,140 @@ def test_bad_sampler_settings():
         FlowMatchSampler(num_steps=0)
     with pytest.raises(ValueError, match="sde_window"):
         FlowMatchSampler(num_steps=4, sde_window=(2, 9))
+
+
+# ---------------------------------------------------------------------- few-step students (DMD2, Self-Forcing)
+def student_sampler(**kwargs) -> FlowMatchSampler:
+    """The anchors' 4-step student: σ ∈ {1, .75, .5, .25} through the scheduler's shift, re-noise step."""
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
+    return FlowMatchSampler(num_steps=4, step_sigmas=[1.0, 0.75, 0.5, 0.25], scheduler=scheduler, **kwargs)
+
+
+def test_step_list_goes_through_the_schedulers_shift():
+    """shift 3: σ' = 3σ/(1 + 2σ) gives 1 → 1, .75 → 2.25/2.5 = .9, .5 → 1.5/2 = .75, .25 → .75/1.5 = .5, then 0;
+    timesteps 1000·σ' — exactly ``set_timesteps(sigmas=[1, .75, .5, .25])``."""
+    schedule = student_sampler().schedule()
+    torch.testing.assert_close(schedule.sigmas, torch.tensor([1.0, 0.9, 0.75, 0.5, 0.0]))
+    torch.testing.assert_close(schedule.timesteps, torch.tensor([1000.0, 900.0, 750.0, 500.0]))
+    reference = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    reference.set_timesteps(sigmas=[1.0, 0.75, 0.5, 0.25])
+    assert torch.equal(schedule.sigmas, reference.sigmas) and torch.equal(schedule.timesteps, reference.timesteps)
+    assert not torch.equal(FlowMatchSampler(num_steps=4).schedule().sigmas, schedule.sigmas)  # not the default grid
+
+
+def test_renoise_step_is_the_stochastic_schedulers_step(wan):
+    """Each step x̂0 = x - σ·v, x_next = (1-σ')·x̂0 + σ'·ε: ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=
+    True).step`` fed the same generator gives the same chain; the plain Euler step (ε predicted, not fresh) does not."""
+    sampler = student_sampler()
+    fn = velocity_of(wan)
+    noise = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    reference = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
+    reference.set_timesteps(sigmas=[1.0, 0.75, 0.5, 0.25])
+    g_ours, g_ref = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    x = noise
+    with torch.no_grad():
+        ours = sampler.sample(fn, noise, cond, generator=g_ours).latents
+        for t in reference.timesteps:
+            x = reference.step(fn(x, t.expand(2), cond).float(), t, x, generator=g_ref, return_dict=False)[0]
+        euler = FlowMatchSampler(num_steps=4, step_sigmas=[1.0, 0.75, 0.5, 0.25]).sample(fn, noise, cond).latents
+    torch.testing.assert_close(ours, x, atol=1e-6, rtol=1e-6)
+    assert (ours - euler).abs().max() > 1e-2
+
+
+def test_exit_step_keeps_grad_only_at_the_exit(wan):
+    """exit_step=k returns x̂0 = x_k - σ_k·v(x_k) of the same chain the full sample walks (same generator); only the
+    k-th model call runs with grad. At k = T-1 it is the served sample itself (train ≡ serve)."""
+    sampler = student_sampler()
+    calls = []
+
+    def fn(x, t, c):
+        calls.append(torch.is_grad_enabled())
+        return velocity_of(wan)(x, t, c)
+
+    noise = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = sampler.sample(fn, noise, cond, capture=True, generator=torch.Generator().manual_seed(7))
+    schedule = sampler.schedule()
+    for k in range(4):
+        calls.clear()
+        x0 = sampler.sample(fn, noise, cond, exit_step=k, generator=torch.Generator().manual_seed(7)).latents
+        assert calls == [False] * k + [True] and x0.requires_grad
+        with torch.no_grad():
+            expected = full.xs[k] - schedule.sigmas[k] * fn(full.xs[k], schedule.timesteps[k].expand(2), cond)
+        torch.testing.assert_close(x0.detach(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(x0.detach(), full.latents)
+
+
+def test_few_step_settings_are_checked():
+    with pytest.raises(ValueError, match=r"step_sigmas=\[\] is empty.*num_steps: 4"):
+        FlowMatchSampler(num_steps=4, step_sigmas=[])
+    with pytest.raises(ValueError, match=r"has 4 steps but num_steps=20; set num_steps: 4"):
+        FlowMatchSampler(step_sigmas=[1.0, 0.75, 0.5, 0.25])
+    with pytest.raises(ValueError, match="decrease strictly"):
+        FlowMatchSampler(num_steps=2, step_sigmas=[0.5, 0.75])
+    with pytest.raises(ValueError, match="chunk_frames=0"):
+        FlowMatchSampler(chunk_frames=0)
+    with pytest.raises(ValueError, match=r"exit_step=4 must be in \[0, num_steps=4\)"):
+        student_sampler().sample(lambda x, t, c: x, torch.zeros(1, 16, 1, 2, 2), None, exit_step=4)
+
+
+# ---------------------------------------------------------------------- the chunk loop of a block-causal model
+@pytest.fixture(scope="module")
+def causal(wan):
+    from posttrain.modules.causal_wan import CausalWanTransformer3DModel
+
+    return CausalWanTransformer3DModel.from_bidirectional(wan, num_frames_per_chunk=1).eval()
+
+
+def causal_fn(model, calls=None):
+    def fn(x, t, c, **kwargs):
+        if calls is not None:
+            calls.append((torch.is_grad_enabled(), kwargs.get("update_cache", False), x.shape[2]))
+        return ADAPTERS["wan_t2v_causal"].velocity(model, x, t, Conditioning(encoder_hidden_states=c), **kwargs)
+    return fn
+
+
+def test_chunk_loop_equals_recomputing_the_history(causal):
+    """Chunk by chunk through the KV cache (each finished chunk stored at σ = 0) equals, within 1e-5, the same
+    chain run without a cache: every step a block-causal forward over [finished chunks at t = 0, current chunk]."""
+    sampler = student_sampler(chunk_frames=1)
+    schedule = sampler.schedule()
+    noise = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cached = sampler.sample(causal_fn(causal), noise, cond, kv_cache=causal.new_cache(),
+                                generator=torch.Generator().manual_seed(3)).latents
+        g, done = torch.Generator().manual_seed(3), []
+        for k in range(3):
+            x = noise[:, :, k:k + 1]
+            for i in range(4):
+                video = torch.cat([*done, x], dim=2)
+                t = torch.cat([torch.zeros(2, k), schedule.timesteps[i].expand(2, 1)], dim=1)
+                v = causal(video, t, cond, num_frames_per_chunk=1).sample[:, :, -1:]
+                x0 = x - schedule.sigmas[i] * v
+                s_next = schedule.sigmas[i + 1]
+                x = x0 if s_next == 0 else (1 - s_next) * x0 + s_next * torch.randn(x0.shape, generator=g)
+            done.append(x)
+    assert cached.shape == noise.shape
+    assert (cached - torch.cat(done, dim=2)).abs().max() < 1e-5
+
+
+def test_chunk_loop_exit_steps_carry_the_only_grad(causal):
+    """With exit_step=k every chunk runs k steps without grad, its exit step with grad, and (but the last) one
+    context pass at σ = 0 without grad that writes the cache; the video's gradient reaches the student."""
+    sampler = student_sampler(chunk_frames=1)
+    noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    calls = []
+    causal.zero_grad(set_to_none=True)
+    video = sampler.sample(causal_fn(causal, calls), noise, cond, exit_step=2, kv_cache=causal.new_cache(),
+                           generator=torch.Generator().manual_seed(3)).latents
+    chunk = [(False, False, 1), (False, False, 1), (True, False, 1)]
+    assert calls == chunk + [(False, True, 1)] + chunk + [(False, True, 1)] + chunk
+    video.square().mean().backward()
+    assert max(p.grad.abs().max().item() for p in causal.parameters() if p.grad is not None) > 0
+    causal.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"chunk_frames=2 does not divide the 3 latent frames"):
+        student_sampler(chunk_frames=2).sample(causal_fn(causal), noise, cond, kv_cache=causal.new_cache())

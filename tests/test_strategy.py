@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import helpers_strategy as h
+from posttrain.lit.base import RunArgs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -130,8 +131,8 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
     from posttrain.lit.cli import main
 
     out = str(tmp_path / "exported")
-    main(["export", "--ckpt", last(runs["z3"]), "--out", out])
-    model = WanTransformer3DModel.from_pretrained(out)
+    main(["export", "--ckpt", last(runs["z3"]), "--out", out, "--expert", "transformer"])  # the whole pipeline
+    model = WanTransformer3DModel.from_pretrained(out, subfolder="transformer")
     exported = {k: v.float() for k, v in model.state_dict().items()}
     assert_equal(exported, h.weights(last(runs["z3"]), "transformer"))
     assert_close(exported, h.weights(last(runs["ddp"]), "transformer"), atol=5e-5)  # independent of zero_to_fp32
@@ -165,7 +166,7 @@ def _fit_in_process(card_experts: dict, strategy, ckpt_path=None):
         if "optimizer" in spec:
             spec["optimizer"] = lambda params: torch.optim.AdamW(params, lr=1e-3)
         experts[name] = Expert(**spec)
-    model = Finetune(ModelCard(experts), ema_decay=0.9, **h.SIZE)
+    model = Finetune(ModelCard(experts), ema_decay=0.9, run=RunArgs(**h.SIZE))
     trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, strategy=strategy, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0)
@@ -249,7 +250,7 @@ def test_frozen_zero3_expert_bf16_and_offload(one_process):
                               sharded=True, zero=ZeroConfig(stage=3, precision="bf16", offload_optimizer=True,
                                                             offload_params=True)),
     }
-    model = Finetune(ModelCard(experts), **h.SIZE)
+    model = Finetune(ModelCard(experts), run=RunArgs(**h.SIZE))
     strategy = one_process()
     trainer = Trainer(max_steps=2, accelerator="cpu", devices=1, strategy=strategy, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -296,7 +297,7 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
                          zero=ZeroConfig(stage=3, extra={"checkpoint": {"load_universal": True}}))
     model = Finetune(ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
-                                "transformer": transformer}), ema_decay=0.9, **h.SIZE)
+                                "transformer": transformer}), ema_decay=0.9, run=RunArgs(**h.SIZE))
     trainer = Trainer(max_steps=5, accelerator="cpu", devices=1, strategy=one_process(), logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Loaded()])

@@ -1,3 +1,0 @@
-from posttrain.lit.cli import main
-
-main()

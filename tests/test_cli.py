@@ -1,0 +1,131 @@
+"""The command a user types: subcommands, one run folder, W&B runs, a quiet console, short errors."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from posttrain.lit.cli import condense, derive_run_folder, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINETUNE = os.path.join(ROOT, "configs", "finetune.yaml")
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def test_help_lists_what_runs(capsys):
+    """fit / validate / predict / export; no `test` (no method has a test_step); no top-level optimizer."""
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0
+    commands = re.search(r"\{([a-z,]+)\}", out).group(1).split(",")
+    assert commands == ["fit", "validate", "predict", "export"]
+    code, out, _ = run_main(capsys, "fit", "--help")
+    assert "--optimizer" not in out and "--lr_scheduler" not in out and "--model.help" in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model.init_args.card.experts.transformer.trainable=false"],
+     "expert 'transformer' has an optimizer or scheduler but trainable=false"),
+    (["--trainr.max_steps=3"], "did you mean --trainer.max_steps"),
+    (["--trainer.max_steps=many"], "max_steps"),
+    (["--model.init_args.card.experts.transformer.arch=wan_xl"], "wan_xl"),
+])
+def test_errors_are_one_short_message(capsys, args, expected):
+    """The package's own message first and alone (option and fix); no traceback, no Union dump."""
+    code, _, err = run_main(capsys, "fit", "--config", FINETUNE, *args)
+    assert code == 2
+    assert err.startswith("posttrain fit: error: ") and expected in err, err
+    assert "Traceback" not in err and "Union subtypes" not in err and "Given value" not in err
+    assert len(err.splitlines()) <= 8, err
+
+
+def test_yaml_syntax_error_names_the_file_and_line(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: 3\n   devices: [1\n")
+    code, _, err = run_main(capsys, "fit", "--config", str(bad))
+    assert code == 2 and f"{bad}:3:" in err, err
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    env = {**os.environ, "POSTTRAIN_DEBUG": "1"}
+    done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", FINETUNE,
+                           "--model.init_args.card.experts.transformer.trainable=false"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" in done.stderr
+
+
+def test_condense_keeps_the_key_and_the_message():
+    message = ('Parser key "model":\n  Does not validate against any of the Union subtypes\n  Subtypes: [<class '
+               "'x'>]\n  Errors:\n    - Problem with given class_path 'posttrain.lit.Finetune':\n        Parser key "
+               '"run":\n          - Expected a <class \'NoneType\'>\n          frames must be an int\n  Given value: 3')
+    assert condense(message) == "model.run: frames must be an int"
+
+
+def test_one_run_folder_setting():
+    """default_root_dir fills the logger's folder, name and job type and the checkpoint folder."""
+    from jsonargparse import Namespace
+
+    trainer = Namespace(default_root_dir="runs/x", logger=Namespace(class_path="posttrain.lit.tracking.WandbLogger",
+                                                                    init_args=Namespace()),
+                        callbacks=[Namespace(class_path="ModelCheckpoint", init_args=Namespace(dirpath=None))])
+    derive_run_folder(trainer, "validate", None)
+    assert trainer.callbacks[0].init_args.dirpath == os.path.join("runs/x", "checkpoints")
+    args = trainer.logger.init_args
+    assert (args.save_dir, args.name, args.job_type) == ("runs/x", "x-validate", "validate")
+
+
+def small_config(tmp_path) -> str:
+    """configs/finetune.yaml as it is, shortened: 4 iterations, a checkpoint, validation and samples every 2."""
+    with open(FINETUNE) as f:
+        config = yaml.safe_load(f)
+    trainer = config["trainer"]
+    trainer.update(default_root_dir=str(tmp_path / "run"), max_steps=4, val_check_interval=2, limit_val_batches=1,
+                   log_every_n_steps=2)
+    for callback in trainer["callbacks"]:
+        args = callback.setdefault("init_args", {})
+        for key in ("every_n_train_steps", "every_n_iterations"):
+            if key in args:
+                args[key] = 2
+    config["data"]["init_args"].update(num_samples=12, batch_size=2)
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def posttrain(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS",)}
+    return subprocess.run([sys.executable, "-m", "posttrain", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def warnings_in(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if re.search(r"[Ww]arning|WARNING|deprecated", line)]
+
+
+def test_default_run_prints_no_warning_and_resumes_its_wandb_run(tmp_path):
+    """The default finetune (shortened) through the real command: fit, resume with --ckpt_path last,
+    validate and predict print no warning; the resumed fit continues the first run's W&B run."""
+    config = small_config(tmp_path)
+    first = posttrain("fit", "--config", config, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert warnings_in(first.stderr) == [], first.stderr
+    assert "component" in first.stderr and "transformer_ema" in first.stderr  # one summary row per expert
+    resumed = posttrain("fit", "--config", config, "--ckpt_path", "last", "--trainer.max_steps", "6", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert warnings_in(resumed.stderr) == [], resumed.stderr
+    validated = posttrain("validate", "--config", config, "--ckpt_path", "last", cwd=tmp_path)
+    assert validated.returncode == 0 and warnings_in(validated.stderr) == [], validated.stderr
+    runs = sorted(os.listdir(tmp_path / "run" / "wandb"))
+    ids = [name.rsplit("-", 1)[-1] for name in runs if name.startswith("offline-run-")]
+    assert len(ids) == 3 and ids[0] == ids[1] and ids[2] != ids[0], runs  # fit, resumed fit, validate
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == sorted(
+        ["last.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"])

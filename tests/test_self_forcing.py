@@ -1,0 +1,117 @@
+"""Self-Forcing mechanics on the embedded default: a block-causal student (tiny ``wan_t2v_causal``), 5×16×16
+videos = 2 latent frames, one latent frame per chunk (2 chunks), 4-step list, CPU.
+
+What is asserted: the rollout is the serving path (chunk loop, KV cache) and equals it; the student's only grad
+comes from the exit step of each chunk; versions of student and critic move on their own schedules; start-up
+errors name the option. Learning against the pretrained world's teacher is not here yet.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from posttrain.datamodules.prompts import Prompts
+from posttrain.lit.base import RunArgs
+from posttrain.lit.self_forcing import SelfForcing
+from posttrain.modules.samplers import FlowMatchSampler
+from tests.helpers import quick_trainer
+from tests.test_dmd2 import distill_card, weights
+
+SIZE = RunArgs(frames=5, height=16, width=16)  # (5 - 1) / 4 + 1 = 2 latent frames
+
+
+def chunked_sampler(chunk_frames=1) -> FlowMatchSampler:
+    return FlowMatchSampler(num_steps=4, step_sigmas=[1.0, 0.75, 0.5, 0.25], chunk_frames=chunk_frames,
+                            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
+
+
+def self_forcing(card=None, chunk_frames=1, ratio: int = 2, run: RunArgs = SIZE) -> SelfForcing:
+    torch.manual_seed(0)
+    return SelfForcing(card or distill_card(student_arch="wan_t2v_causal"), chunked_sampler(chunk_frames),
+                       generator_update_ratio=ratio, teacher_sampler=FlowMatchSampler(num_steps=4), run=run)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def record_student_calls(module) -> list[tuple[bool, bool, bool]]:
+    """(grad enabled, reads a cache, writes the cache) of every student forward."""
+    calls = []
+    module.card["transformer"].register_forward_pre_hook(
+        lambda _m, args, kwargs: calls.append((torch.is_grad_enabled(), kwargs.get("kv_cache") is not None,
+                                               bool(kwargs.get("update_cache")))), with_kwargs=True)
+    return calls
+
+
+def test_training_rollout_is_the_served_chunk_loop():
+    """``generate`` (predict, sample videos) runs the student chunk by chunk through a KV cache — 4 steps per chunk,
+    one cache write between the 2 chunks — and the training rollout stopped at the last step gives the served
+    latents bit for bit from the same noise and generator (train ≡ serve)."""
+    module = self_forcing()
+    module.configure_model()
+    calls = record_student_calls(module)
+    prompts = ["a red circle moving left on a blue background", "a green square moving up on a black background"]
+    served = module.generate(prompts, seed=3, latents_only=True)
+    assert calls == [(False, True, False)] * 4 + [(False, True, True)] + [(False, True, False)] * 4
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(served.shape, generator=g)
+    cond = module.stage.condition(prompts)
+    rollout = module.stage.sample(module.sampler, noise, cond, name="transformer", exit_step=3, generator=g).latents
+    assert rollout.requires_grad and torch.equal(rollout.detach(), served)
+    # the causal student, not a bidirectional pass: the first chunk alone gives the first chunk
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(served.shape, generator=g)
+    alone = module.stage.sample(module.sampler, noise[:, :, :1], cond, name="transformer", generator=g).latents
+    assert torch.equal(alone, served[:, :, :1])
+
+
+def test_exit_steps_carry_the_only_grad_and_versions_keep_their_own_schedules():
+    """Ratio 2 over 4 iterations: on iterations 0 and 2 the student forwards with grad exactly once per chunk (its
+    exit step), never in the cache writes; on 1 and 3 never. Student version 2, critic 4, teacher 0. (That the
+    exit step is the same on every process is checked on 2 processes in tests/test_dmd2.py: both methods draw it
+    alike.)"""
+    module = self_forcing()
+    module.configure_model()
+    calls = record_student_calls(module)
+    per_iteration = []
+    module.on_train_batch_end = lambda *_: per_iteration.append(list(calls)) or calls.clear()
+    quick_trainer(max_steps=4).fit(module, Prompts(num_synthetic=8, batch_size=2))
+    assert len(per_iteration) == 4
+    for i, iteration in enumerate(per_iteration):
+        with_grad = [c for c in iteration if c[0]]
+        assert len(with_grad) == (2 if i % 2 == 0 else 0), (i, iteration)
+        assert not any(c[0] and c[2] for c in iteration)  # cache writes never carry grad
+        assert sum(c[2] for c in iteration) == 1  # one write between the two chunks
+    versions = module.card.versions
+    assert versions["transformer"] == 2 and versions["critic"] == 4 and versions["teacher"] == 0
+
+
+def test_student_learns_from_the_teacher_weights_and_moves():
+    """The causal student starts from the bidirectional teacher's state dict and its DMD steps change it."""
+    module = self_forcing()
+    module.configure_model()
+    teacher, start = weights(module, "teacher"), weights(module, "transformer")
+    assert all(torch.equal(teacher[k], start[k]) for k in teacher)
+    quick_trainer(max_steps=3).fit(module, Prompts(num_synthetic=8, batch_size=2))
+    end = weights(module, "transformer")
+    assert max((start[k] - end[k]).abs().max().item() for k in start) > 1e-4
+
+
+def test_bad_settings_name_the_option():
+    with pytest.raises(ValueError, match=r"sampler.chunk_frames is not set.*\n.*arch 'wan_t2v'.*wan_t2v_causal"):
+        self_forcing(distill_card(), chunk_frames=None)
+    with pytest.raises(ValueError, match=r"sampler.chunk_frames=1 samples chunk by chunk.*set `arch: wan_t2v_causal`"):
+        self_forcing(distill_card())
+    with pytest.raises(ValueError, match=r"generator_update_ratio=0 must be >= 1"):
+        self_forcing(ratio=0)
+    with pytest.raises(ValueError, match=r"the card has no 'critic'"):
+        self_forcing(distill_card(student_arch="wan_t2v_causal", critic=None))
+    module = self_forcing(chunk_frames=3, run=RunArgs(frames=9, height=16, width=16))  # 3 latent frames: fine
+    module.configure_model()
+    module = self_forcing(chunk_frames=2, run=RunArgs(frames=9, height=16, width=16))
+    with pytest.raises(ValueError, match=r"sampler.chunk_frames=2 does not divide the 3 latent frames of "
+                                         r"run.frames=9"):
+        module.configure_model()
