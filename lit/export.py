@@ -1,9 +1,11 @@
 """``posttrain export``: what a run trained, as folders the diffusers / transformers clients load.
 
 By default a generator exports as a **whole pipeline folder** — ``model_index.json``, ``scheduler/`` (the
-scheduler the run sampled with), ``tokenizer/``, ``text_encoder/``, ``vae/``, ``transformer/`` — that
-``WanPipeline.from_pretrained(out)`` loads and that, from the same noise, reproduces ``posttrain predict``
-(tested). The exported transformer is the one the run *serves* (``transformer_ema`` when the method
+scheduler the run sampled with), ``tokenizer/``, ``text_encoder/``, ``vae/``, ``transformer/`` (FLUX adds
+``tokenizer_2/``, ``text_encoder_2/``; a Wan 2.1 I2V ``image_encoder/``, ``image_processor/``) — that the
+generator's pipeline (``WanPipeline``, ``WanImageToVideoPipeline``, ``FluxPipeline``) loads with
+``from_pretrained(out)`` and that, from the same noise, reproduces ``posttrain predict`` (tested). A
+workflow exports one stage per call (``--expert t2i_transformer``). The exported transformer is the one the run *serves* (``transformer_ema`` when the method
 keeps an EMA), unless ``--expert`` names another. ``serving.json`` beside it records the settings to
 call the pipeline with (steps, guidance, text length, size).
 
@@ -25,7 +27,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from posttrain.modules import presets
-from posttrain.modules.generators import ADAPTERS
+from posttrain.modules.generators import ADAPTERS, wan21_image_processor
 
 
 def load_checkpoint(ckpt: str) -> dict:
@@ -84,12 +86,17 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         if lora_layers is not None:
             _save_lora(adapter, out, lora_layers)
         return out
-    # the whole pipeline: the serving transformer with the card's VAE, text stack and the run's scheduler
+    # the whole pipeline: the serving transformer with the card's VAE, text stack (and image encoder) and
+    # the run's scheduler, under the pipeline's component names (text_encoder, text_encoder_2, ...)
     components = {"transformer": model, "vae": parts.model(serving.get("vae", "vae"))}
     for i, encoder in enumerate(serving.get("text_encoders", adapter.text_encoders)):
         suffix = "" if i == 0 else f"_{i + 1}"
         components[f"text_encoder{suffix}"] = parts.model(encoder)
-        components[f"tokenizer{suffix}"] = presets.build_tokenizer(parts.source(encoder)["tokenizer"])
+        components[f"tokenizer{suffix}"] = presets.build_tokenizer(
+            parts.source(encoder)["tokenizer"], presets.tokenizer_length(parts.arch(encoder), parts.model(encoder).config))
+    if serving.get("image_encoder"):  # Wan 2.1 I2V: the CLIP vision encoder and its processor
+        components["image_encoder"] = parts.model(serving["image_encoder"])
+        components["image_processor"] = wan21_image_processor(components["image_encoder"])
     for key, value in components.items():
         if isinstance(value, torch.nn.Module):
             presets.cast(value, torch_dtype)
@@ -98,10 +105,8 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
     pipe.save_pretrained(out, safe_serialization=True)
     if lora_layers is not None:
         _save_lora(adapter, out, lora_layers)
-    keys = ("num_inference_steps", "guidance_scale", "max_sequence_length", "num_frames", "height", "width")
     with open(os.path.join(out, "serving.json"), "w") as f:
-        json.dump({"pipeline": type(pipe).__name__, "transformer": name,
-                   **{k: serving[k] for k in keys if k in serving}}, f, indent=1)
+        json.dump({"pipeline": type(pipe).__name__, "transformer": name, **adapter.pipeline_call(serving)}, f, indent=1)
     return out
 
 

@@ -146,7 +146,8 @@ class ModelCard(nn.Module):
                 model = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
                                             _dtype(spec.dtype))
             if spec.arch in presets.TEXT_ENCODERS or spec.arch == "qwen2":
-                self.tokenizers[name] = presets.build_tokenizer(spec.tokenizer)
+                self.tokenizers[name] = presets.build_tokenizer(
+                    spec.tokenizer, presets.tokenizer_length(spec.arch, model.config))
             if spec.lora is not None:
                 from peft import LoraConfig as PeftLoraConfig
 
