@@ -223,24 +223,30 @@ def _image_batch(images: torch.Tensor, size: VideoSize, who: str) -> torch.Tenso
     return images.float()
 
 
-@torch.no_grad()
-def clip_pooled(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+def clip_pooled_embeds(tokenizer, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
     """(B, D) float32 ``CLIPTextModel.pooler_output`` (``FluxPipeline._get_clip_prompt_embeds``: padded to the
-    tokenizer's ``model_max_length``, no attention mask)."""
-    tokenizer, model = card.tokenizers[encoder], card[encoder]
+    tokenizer's ``model_max_length``, no attention mask), with gradient (pretraining trains the encoder)."""
     ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                     return_tensors="pt").input_ids
     return model(ids.to(next(model.parameters()).device), output_hidden_states=False).pooler_output.float()
 
 
-@torch.no_grad()
-def t5_states(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+def t5_embeds(tokenizer, model: torch.nn.Module, prompts: list[str], max_length: int) -> torch.Tensor:
     """(B, L, D) float32 T5 last hidden states (``FluxPipeline._get_t5_prompt_embeds``: padded to
-    ``text_max_length``, no attention mask, padding not zeroed)."""
-    tokenizer, model = card.tokenizers[encoder], card[encoder]
-    ids = tokenizer(prompts, padding="max_length", max_length=card.text_max_length, truncation=True,
+    ``max_length``, no attention mask, padding not zeroed), with gradient."""
+    ids = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True,
                     return_tensors="pt").input_ids
     return model(ids.to(next(model.parameters()).device), output_hidden_states=False)[0].float()
+
+
+@torch.no_grad()
+def clip_pooled(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+    return clip_pooled_embeds(card.tokenizers[encoder], card[encoder], prompts)
+
+
+@torch.no_grad()
+def t5_states(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+    return t5_embeds(card.tokenizers[encoder], card[encoder], prompts, card.text_max_length)
 
 
 class Flux(GeneratorAdapter):

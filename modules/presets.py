@@ -45,9 +45,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Wan 2.2-style image-to-video (``WanImageToVideoPipeline`` without an image encoder): noisy latent (16)
     # + first-frame mask (4, the VAE's temporal factor) + image latents (16) channels in. The Wan 2.1 layout
     # adds ``image_dim`` and ``added_kv_proj_dim`` (a CLIP vision encoder's tokens; see ``clip_vision``).
+    # The world's I2V generator has the world's T2V dimensions (1.2M parameters; it starts from its weights).
     "wan_i2v": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=36,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=36,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
     # AutoencoderKLWan: 8x spatial, 4x temporal ((F-1)/4+1 latent frames), 16 latent channels. Without
@@ -84,12 +85,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
         pad_token_id=0,
     ),
-    # FLUX text-to-image: 2×2 packed latents of the 16-channel VAE in (64), T5 tokens (joint_attention_dim)
-    # and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the head dim.
+    # FLUX text-to-image, 0.47M parameters: 2×2 packed latents of the 16-channel VAE in (64), T5 tokens
+    # (joint_attention_dim) and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the
+    # head dim. A 32 px image is 8×8 latents, 16 tokens.
     "flux": dict(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
-        axes_dims_rope=(4, 4, 8),
+        axes_dims_rope=(8, 12, 12),
     ),
     # AutoencoderKL for FLUX: 4x spatial (three levels; FluxPipeline reads 2^(levels-1) from the config),
     # 16 latent channels; normalized by (z - shift_factor)·scaling_factor.
