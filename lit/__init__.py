@@ -7,5 +7,7 @@ from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
+from posttrain.lit.workflow import Workflow
+from posttrain.lit.workflow_rl import WorkflowRL
 
-__all__ = ["ExpertModule", "RunArgs", "Finetune", "FlowGRPO", "DiffusionNFT", "JointRL"]
+__all__ = ["ExpertModule", "RunArgs", "Finetune", "FlowGRPO", "DiffusionNFT", "JointRL", "Workflow", "WorkflowRL"]

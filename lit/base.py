@@ -127,7 +127,11 @@ class ExpertModule(LightningModule):
             gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
             with gathered(self.card):
                 self.setup_roles()
-        self.stage.latent_shape(self.video)  # a size the VAE and the patch size cannot take stops here
+        self.check_sizes()
+
+    def check_sizes(self) -> None:
+        """A size the VAE and the patch size cannot take stops here, at start-up."""
+        self.stage.latent_shape(self.video)
 
     def setup_roles(self) -> None:
         """Methods add frozen roles (``card.add_role``) and sync plans here, after the card is built."""
@@ -339,13 +343,7 @@ class ExpertModule(LightningModule):
     def serving_settings(self) -> dict[str, Any]:
         """What export writes beside the weights so a diffusers pipeline serves as ``predict`` does: the
         scheduler (class and config), steps, guidance, text length, size, the serving transformer."""
-        scheduler = self.sampler.scheduler
-        return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
-                "num_inference_steps": self.sampler.num_steps, "guidance_scale": self.sampler.guidance_scale,
-                "max_sequence_length": self.card.text_max_length, "num_frames": self.video.frames,
-                "height": self.video.height, "width": self.video.width, "transformer": self.serving_transformer,
-                "generator": self.stage.transformer, "vae": self.stage.vae, "text_encoders": list(self.stage.encoders),
-                "image_encoder": self.stage.image_encoder, "embedded_guidance": self.stage.embedded_guidance}
+        return stage_serving_settings(self.stage, self.sampler, self.video, self.serving_transformer)
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         seeds = batch.get("seed")
@@ -394,6 +392,19 @@ class ExpertModule(LightningModule):
         torch.set_rng_state(state["rng"]["torch"])
         _set_numpy_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+
+
+def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, size: VideoSize,
+                           transformer: str) -> dict[str, Any]:
+    """The serving settings of one generator stage (export reads them): its sampler's scheduler, steps and
+    guidance, the text length, the size, the component that serves (``transformer``) and the stage's experts."""
+    scheduler = sampler.scheduler
+    return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
+            "num_inference_steps": sampler.num_steps, "guidance_scale": sampler.guidance_scale,
+            "max_sequence_length": stage.card.text_max_length, "num_frames": size.frames,
+            "height": size.height, "width": size.width, "transformer": transformer,
+            "generator": stage.transformer, "vae": stage.vae, "text_encoders": list(stage.encoders),
+            "image_encoder": stage.image_encoder, "embedded_guidance": stage.embedded_guidance}
 
 
 def read_run_meta(path: str) -> Optional[dict]:

@@ -63,9 +63,15 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         raise ValueError(f"export: {ckpt!r} was not written by posttrain fit (no 'posttrain' entry)")
     parts = _Parts(checkpoint, ckpt)
     serving = meta.get("serving") or {}
+    stages = serving.get("stages")  # a workflow: one generator stage per export, named by its component
+    if stages is not None and expert is None:
+        raise ValueError(f"export: {ckpt!r} is a workflow; export one stage at a time with --expert, one of "
+                         f"{sorted(stages)} (or any other component with --pipeline false)")
     name = expert or serving.get("transformer") or "transformer"
     if name not in meta["configs"]:
         raise ValueError(f"export: checkpoint has no component {name!r}; --expert is one of {sorted(meta['configs'])}")
+    if stages is not None:
+        serving = stages.get(name, {})
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     model = parts.model(name)
     adapter = ADAPTERS.get(parts.arch(name))
