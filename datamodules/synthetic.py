@@ -105,5 +105,7 @@ class SyntheticVideos(ResumableDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         dataset = ShapesDataset(self.val_samples, self.frames, self.height, self.width, self.seed + 1)
-        prompts = [{"prompt": dataset[i]["prompt"], "seed": i} for i in range(len(dataset))]
+        # the first frame rides along: an image-to-video generator animates it (the others ignore it)
+        prompts = [{"prompt": dataset[i]["prompt"], "seed": i, "image": dataset[i]["video"][:, 0]}
+                   for i in range(len(dataset))]
         return DataLoader(prompts, batch_size=self.batch_size)
