@@ -114,7 +114,13 @@ _TRANSFORMERS = {
 TEXT_ENCODERS = ("umt5", "t5", "clip")
 # Tiny presets that carry trained weights (made here from the synthetic data, no download):
 # scripts/train_tiny_vae.py trained this VAE for 3000 steps on the shape videos (7 minutes on a CPU).
-TRAINED_ASSETS = {"wan_vae": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_wan_vae")}
+_ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+TRAINED_ASSETS = {"wan_vae": os.path.join(_ASSETS, "tiny_wan_vae")}
+# The world's text-to-image and image-to-video stages (times on the shared 2-core machine):
+# scripts/train_flux_vae.py (the image VAE, 36 min), scripts/train_flux.py (CLIP + T5 + FLUX jointly),
+# scripts/train_i2v.py (Wan I2V from the world's T2V, with the world's UMT5 and VAE).
+TRAINED_ASSETS.update({arch: os.path.join(_ASSETS, arch) for arch in ("vae_kl", "flux", "clip", "t5", "wan_i2v")
+                       if os.path.isdir(os.path.join(_ASSETS, arch))})
 
 
 def model_class(arch: str) -> type[torch.nn.Module]:
