@@ -127,3 +127,24 @@ def test_bad_workflow_rl_options_name_the_fix():
     with pytest.raises(ValueError, match="every stage has trainable: false"):
         WorkflowRL(ModelCard(workflow_experts(False, False)), [Stage("t2i", frames=1, trainable=False),
                                                                Stage("i2v", frames=5, trainable=False)])
+
+
+def test_refiners_can_be_the_first_stage():
+    """refiner LM → FLUX → I2V, all three trained from the one reward (token PG for the refiner), each with its
+    own version; the refined prompt is what the generators read, the original what the reward scores."""
+    from posttrain.modules.cards import Expert
+    from tests.conftest import adamw
+
+    experts = workflow_experts()
+    card = ModelCard(experts, text_max_length=64, num_refiners=1,
+                     refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-2)))
+    stages = [Stage("refine", kind="refiners", max_new_tokens=3),
+              Stage("t2i", sampler=FlowMatchSampler(num_steps=2), frames=1, height=16, width=16),
+              Stage("i2v", sampler=FlowMatchSampler(num_steps=2), frames=5, height=16, width=16)]
+    model = WorkflowRL(card, stages, reward=reward(), num_samples_per_prompt=2, timestep_fraction=1.0)
+    c2 = C2Check(every_n_iterations=1, tolerance=1e-5)
+    quick_trainer(2, callbacks=[c2]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    versions = model.card.versions
+    assert versions["refiner_0"] == versions["t2i_transformer"] == versions["i2v_transformer"] == 2
+    assert versions["refiner_0_reference"] == 0 and c2.checks == 2 and c2.last_gap < 1e-5
+    assert "train/loss/refiner_0" in model.trainer.callback_metrics
