@@ -202,11 +202,12 @@ def wan21_image_processor(image_encoder: torch.nn.Module):
 @torch.no_grad()
 def clip_image_states(stage: "GeneratorStage", images: torch.Tensor) -> torch.Tensor:
     """(B, N, D) penultimate hidden states of the stage's image encoder (``WanImageToVideoPipeline.encode_image``)
-    for ``images`` (B, 3, H, W) in [-1, 1], given to the processor as [0, 1] floats (no 1/255 rescale)."""
+    for ``images`` (B, 3, H, W) in [-1, 1]. The processor gets them as 8-bit (H, W, 3) arrays, as it gets the
+    PIL images a pipeline is called with (its resize and 1/255 rescale then agree exactly)."""
     encoder = stage.card[stage.image_encoder]
     processor = wan21_image_processor(encoder)
-    pixels = processor(images=list(((images.float() + 1) / 2).clamp(0, 1).cpu()), do_rescale=False,
-                       return_tensors="pt").pixel_values
+    eight_bit = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pixels = processor(images=list(eight_bit), return_tensors="pt").pixel_values
     device = next(encoder.parameters()).device
     return encoder(pixel_values=pixels.to(device, _dtype(encoder)), output_hidden_states=True).hidden_states[-2].float()
 

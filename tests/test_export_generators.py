@@ -99,3 +99,43 @@ def test_i2v_export_reproduces_predict(tmp_path, guidance, one_thread):
         gaps.append((ours[b:b + 1] - theirs).abs().max().item())
     print(f"WanImageToVideoPipeline vs predict, guidance {guidance}: max |Δ latents| = {max(gaps):.2e}")
     assert max(gaps) < 1e-4
+
+
+def test_wan21_i2v_with_an_image_encoder(tmp_path, one_thread):
+    """A Wan 2.1-style I2V (``image_dim``, ``added_kv_proj_dim``; 512 text tokens) reads the card's CLIP vision
+    ``image_encoder`` too; the exported folder carries it and its processor, and WanImageToVideoPipeline given
+    the same (8-bit) image and noise reproduces the package's samples."""
+    from PIL import Image
+
+    from posttrain.modules.cards import Expert
+    from tests.conftest import adamw
+    from posttrain.modules.cards import ModelCard
+
+    heads, dim = 2, 32
+    card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
+                      "image_encoder": Expert(arch="clip_vision", preset={"image_size": 16, "patch_size": 8}),
+                      "transformer": Expert(arch="wan_i2v", trainable=True, optimizer=adamw(1e-2), preset=dict(
+                          num_attention_heads=heads, attention_head_dim=dim, ffn_dim=128, num_layers=2,
+                          image_dim=32, added_kv_proj_dim=heads * dim))}, text_max_length=512)
+    size = RunArgs(frames=5, height=16, width=16)
+    module, ckpt = finetuned(tmp_path, card, size, guidance=1.0)
+    assert module.stage.image_encoder == "image_encoder"
+    out = export(ckpt, str(tmp_path / "pipe"))
+    assert {"image_encoder", "image_processor"} <= set(os.listdir(out))
+    pipe = WanImageToVideoPipeline.from_pretrained(out)
+    call = {k: v for k, v in json.load(open(os.path.join(out, "serving.json"))).items()
+            if k not in ("pipeline", "transformer")}
+    data = SyntheticVideos(frames=5, height=16, width=16).train_dataset()
+    eight_bit = [((data[i]["video"][:, 0] + 1) * 127.5).round().to(torch.uint8) for i in range(2)]
+    images = torch.stack([e.float() / 127.5 - 1 for e in eight_bit])  # the 8-bit images, in [-1, 1]
+    ours = module.generate(PROMPTS, seed=5, latents_only=True, images=images)
+    assert set(module.stage.condition(PROMPTS, images=images, size=module.video)) == \
+        {"encoder_hidden_states", "image_latents", "encoder_hidden_states_image"}
+    noise = torch.randn((2, *module.stage.latent_shape(module.video)), generator=torch.Generator().manual_seed(5))
+    gaps = []
+    for b in range(2):
+        pil = Image.fromarray(eight_bit[b].permute(1, 2, 0).numpy())
+        theirs = pipe(prompt=PROMPTS[b], image=pil, latents=noise[b:b + 1], output_type="latent", **call).frames
+        gaps.append((ours[b:b + 1] - theirs).abs().max().item())
+    print(f"WanImageToVideoPipeline (Wan 2.1, image encoder) vs predict: max |Δ latents| = {max(gaps):.2e}")
+    assert max(gaps) < 1e-4
