@@ -13,7 +13,8 @@ package's own serving path (``GeneratorStage`` with the ``Flux`` adapter, FLUX.1
 and are scored with synthetic GenEval on what an image shows (shape, colour, background); sample grids are
 written as PNGs next to the log.
 
-    python scripts/train_flux.py --out modules/assets     # TIME on 2 CPU cores
+    python scripts/train_flux.py --out runs/flux_a --minutes 40
+    python scripts/train_flux.py --init runs/flux_a --out modules/assets --minutes 40   # TIME on 2 CPU cores
 
 Writes ``<out>/flux``, ``<out>/clip``, ``<out>/t5`` (``save_pretrained``, safetensors).
 """
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale of the evaluation samples")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-dir", default="runs/world_flux")
+    parser.add_argument("--init", default=None, help="continue from a folder this script wrote (its flux, clip, t5)")
     parser.add_argument("--out", default="modules/assets")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,6 +109,10 @@ def main() -> None:
     t5 = T5EncoderModel(T5Config(**PRESETS["t5"])).train()
     transformer = FluxTransformer2DModel(**PRESETS["flux"]).train()
     models = {"text_encoder": clip, "text_encoder_2": t5, "transformer": transformer}
+    if args.init:  # a later session of the same training (the EMA weights it saved; fresh optimizer state)
+        for name, arch in (("transformer", "flux"), ("text_encoder", "clip"), ("text_encoder_2", "t5")):
+            models[name].load_state_dict(type(models[name]).from_pretrained(os.path.join(args.init, arch)).state_dict())
+        print(f"continuing from {args.init}", flush=True)
     print(" ".join(f"{k} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M" for k, m in models.items()), flush=True)
     emas = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in models.items()}
     params = [p for m in models.values() for p in m.parameters()]
