@@ -20,6 +20,7 @@ from tests.helpers import quick_trainer
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+RANDOM = {"t2i_transformer": {"num_layers": 2}, "i2v_transformer": {"num_layers": 4}}
 
 
 def reward() -> WeightedReward:
@@ -27,40 +28,53 @@ def reward() -> WeightedReward:
     return WeightedReward({"colour": StageReward(ColourAlignment(), "t2i"), "motion": MotionAlignment()})
 
 
+def colour_terms() -> WeightedReward:
+    """A term per stage that a random generator can move in a few dozen iterations: the image's colour
+    alignment (``image``, read from the T2I stage's output) and the final video's (``video``)."""
+    return WeightedReward({"image": StageReward(ColourAlignment(), "t2i"), "video": ColourAlignment()})
+
+
 def make(t2i_trainable: bool = True, i2v_trainable: bool = True, credit: str = "per_stage", size: int = 32,
-         t2i_lr: float = 1e-3, i2v_lr: float = 1e-3, **kwargs) -> WorkflowRL:
+         t2i_lr: float = 1e-3, i2v_lr: float = 1e-3, credits: tuple[str, str] = ("colour", "motion"),
+         **kwargs) -> WorkflowRL:
     experts = workflow_experts(t2i_trainable, i2v_trainable)
     for name, lr in (("t2i_transformer", t2i_lr), ("i2v_transformer", i2v_lr)):
+        # random generators of the world's sizes (a preset key set: not the trained assets), so that what the
+        # test asserts does not move when the assets are retrained
+        experts[name].preset = dict(RANDOM[name])
         if experts[name].trainable:
             experts[name].optimizer = lambda params, lr=lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     stages = [Stage("t2i", sampler=FlowMatchSampler(num_steps=6), frames=1, height=size, width=size,
-                    trainable=t2i_trainable, credit="colour"),
+                    trainable=t2i_trainable, credit=credits[0]),
               Stage("i2v", sampler=FlowMatchSampler(num_steps=6), frames=5, height=size, width=size,
-                    trainable=i2v_trainable, credit="motion")]
+                    trainable=i2v_trainable, credit=credits[1])]
     defaults = dict(reward=reward(), credit=credit, num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004)
     return WorkflowRL(ModelCard(experts, text_max_length=64), stages, **{**defaults, **kwargs})
 
 
-def served_rewards(model: WorkflowRL) -> dict[str, float]:
-    """Total and terms of the served chain (ODE, fixed seeds) on the training prompts."""
+def served_rewards(model: WorkflowRL, terms: tuple[str, ...]) -> dict[str, float]:
+    """Total and terms of the served chain (ODE, fixed seeds) on the training prompts, 8 samples each."""
     model.eval()
-    outputs = model.run_stages(PROMPTS * 2, seed=123)
+    outputs = model.run_stages(PROMPTS * 8, seed=123)
     context = {"stages": {n: o.media for n, o in outputs.items()}}
-    out = score(model.reward, outputs["i2v"].media, PROMPTS * 2, context)
-    return {"total": out.total.mean().item(), **{k: out.terms[k].mean().item() for k in ("colour", "motion")}}
+    out = score(model.reward, outputs["i2v"].media, PROMPTS * 8, context)
+    return {"total": out.total.mean().item(), **{k: out.terms[k].mean().item() for k in terms}}
 
 
 def test_per_stage_credit_raises_every_stage_term_with_c2_holding():
+    """30 iterations from random generators of the world's sizes: the final reward rises, and so does each
+    stage's own term — the image's colour (credited to FLUX) and the video's (credited to the I2V).
+    Measured: image 0.707 -> 0.772, video 0.703 -> 0.749."""
     torch.manual_seed(0)
-    model = make()
+    model = make(reward=colour_terms(), credits=("image", "video"))
     model.configure_model()
-    before = served_rewards(model)
+    before = served_rewards(model, ("image", "video"))
     c2 = C2Check(every_n_iterations=5, tolerance=1e-5)
     quick_trainer(30, callbacks=[c2]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
-    after = served_rewards(model)
+    after = served_rewards(model, ("image", "video"))
     print(f"workflow_rl per-stage credit: {before} -> {after}")
-    assert after["total"] > before["total"] + 1e-2
-    assert after["colour"] > before["colour"] + 5e-3 and after["motion"] > before["motion"] + 5e-3
+    assert after["total"] > before["total"] + 2e-2
+    assert after["image"] > before["image"] + 1e-2 and after["video"] > before["video"] + 1e-2
     # two independent versions, one per trained stage; the references and frozen encoders never move
     versions = model.card.versions
     assert versions["t2i_transformer"] == 30 and versions["i2v_transformer"] == 30
@@ -68,7 +82,7 @@ def test_per_stage_credit_raises_every_stage_term_with_c2_holding():
     assert versions["t2i_text_encoder_2"] == versions["i2v_vae"] == 0
     assert c2.checks == 6 and c2.last_gap < 1e-5  # both stages' log p recomputed at the rollout's weights
     metrics = model.trainer.callback_metrics
-    for name in ("train/reward/colour", "train/reward/motion", "train/time/t2i/rollout", "train/time/i2v/update",
+    for name in ("train/reward/image", "train/reward/video", "train/time/t2i/rollout", "train/time/i2v/update",
                  "train/grad_norm/t2i_transformer", "train/grad_norm/i2v_transformer"):
         assert name in metrics, name
 
