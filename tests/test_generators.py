@@ -72,7 +72,9 @@ def test_flux_flow_grpo_raises_its_reward_against_a_constant_reward():
     from tests.test_export_generators import flux_scheduler
 
     def make(reward):
-        return FlowGRPO(flux_card(lr=1e-3), sampler=FlowMatchSampler(num_steps=8, scheduler=flux_scheduler()),
+        # a random FLUX of the world's size (a preset key set: not the trained asset)
+        return FlowGRPO(flux_card(lr=1e-3, transformer_preset={"num_layers": 2}),
+                        sampler=FlowMatchSampler(num_steps=8, scheduler=flux_scheduler()),
                         reward=reward, num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004,
                         run=RunArgs(frames=1, height=32, width=32))
 

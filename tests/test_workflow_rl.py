@@ -162,3 +162,24 @@ def test_refiners_can_be_the_first_stage():
     assert versions["refiner_0"] == versions["t2i_transformer"] == versions["i2v_transformer"] == 2
     assert versions["refiner_0_reference"] == 0 and c2.checks == 2 and c2.last_gap < 1e-5
     assert "train/loss/refiner_0" in model.trainer.callback_metrics
+
+
+def test_each_stage_exports_to_its_pipeline(tmp_path):
+    """A workflow checkpoint exports one stage per call, as the folder its diffusers pipeline loads."""
+    from diffusers import FluxPipeline, WanImageToVideoPipeline
+
+    from posttrain.lit.export import export
+
+    model = make(credit="shared", size=16)
+    trainer = quick_trainer(1, default_root_dir=tmp_path)
+    trainer.fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    trainer.save_checkpoint(tmp_path / "wf.ckpt")
+    with pytest.raises(ValueError, match=r"is a workflow; export one stage at a time with --expert, one of "
+                                         r"\['i2v_transformer', 't2i_transformer'\]"):
+        export(str(tmp_path / "wf.ckpt"), str(tmp_path / "none"))
+    flux = FluxPipeline.from_pretrained(export(str(tmp_path / "wf.ckpt"), str(tmp_path / "t2i"), expert="t2i_transformer"))
+    i2v = WanImageToVideoPipeline.from_pretrained(export(str(tmp_path / "wf.ckpt"), str(tmp_path / "i2v"),
+                                                         expert="i2v_transformer"))
+    trained = model.card["t2i_transformer"].state_dict()
+    assert all(torch.equal(flux.transformer.state_dict()[k], v) for k, v in trained.items())
+    assert i2v.transformer.config.in_channels == 36 and i2v.vae.config.z_dim == 16
