@@ -251,6 +251,14 @@ def quiet_dependencies() -> None:
             return "litlogger" not in message and not message.startswith("Trainer already configured with model summary")
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropNotes())
+
+    class _DropBackendNote(logging.Filter):
+        # transformers notes once that its image processors fall back to PIL without torchvision (the FLUX and
+        # Wan I2V pipeline modules import them); nothing here uses torchvision
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "requires torchvision (not installed)" not in record.getMessage()
+
+    logging.getLogger("transformers.utils.import_utils").addFilter(_DropBackendNote())
     # Lightning 2.6's CombinedLoader builds torch pytree LeafSpecs, which torch >= 2.10 deprecates: a
     # dependency's note about its own internals, not about this run
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)

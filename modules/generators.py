@@ -30,7 +30,6 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
-from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from posttrain.modules import vae as vae_codec
@@ -259,6 +258,9 @@ class Flux(GeneratorAdapter):
     text_encoders = ("text_encoder", "text_encoder_2")
 
     def pipeline_class(self):
+        # imported on use: the FLUX pipeline module imports transformers' image processors
+        from diffusers import FluxPipeline
+
         return FluxPipeline
 
     def text(self, stage, prompts):
@@ -291,7 +293,8 @@ class Flux(GeneratorAdapter):
     def velocity(self, transformer, x, timestep, cond):
         dtype = _dtype(transformer)
         h, w = x.shape[-2:]
-        img_ids = FluxPipeline._prepare_latent_image_ids(x.shape[0], h // 2, w // 2, x.device, dtype)  # (h/2·w/2, 3)
+        # (h/2·w/2, 3) position ids of the packed 2x2 latent tokens
+        img_ids = self.pipeline_class()._prepare_latent_image_ids(x.shape[0], h // 2, w // 2, x.device, dtype)
         text = cond["encoder_hidden_states"]
         txt_ids = torch.zeros(text.shape[1], 3, device=x.device, dtype=dtype)  # FluxPipeline.encode_prompt
         guidance = cond.get("guidance")
@@ -317,6 +320,8 @@ class Flux(GeneratorAdapter):
         return vae_codec.latent_shape(vae, 1, size.height, size.width, patch=(2, 2))
 
     def schedule_kwargs(self, sampler, latent_shape):
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
         n = sampler.num_steps
         config = sampler.scheduler.config
         sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / n, n)
