@@ -130,5 +130,7 @@ class SyntheticVideos(ResumableDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         dataset = self.dataset(self.val_samples, seed_offset=1)
-        prompts = [{"prompt": dataset[i]["prompt"], "seed": i} for i in range(len(dataset))]
+        # the first frame rides along: an image-to-video generator animates it (the others ignore it)
+        prompts = [{"prompt": dataset[i]["prompt"], "seed": i, "image": dataset[i]["video"][:, 0]}
+                   for i in range(len(dataset))]
         return DataLoader(prompts, batch_size=self.batch_size)

@@ -35,6 +35,42 @@ def wan_card(lr: float = 1e-3, extra: dict[str, Expert] | None = None, **card_kw
     return ModelCard(experts=experts, text_max_length=32, **card_kwargs)
 
 
+def flux_card(lr: float = 1e-3, transformer_preset: dict | None = None, **card_kwargs) -> ModelCard:
+    """FLUX text-to-image: CLIP (pooled) + T5 text encoders and the image VAE (frozen) + trainable FLUX."""
+    experts = {
+        "text_encoder": Expert(arch="clip"),
+        "text_encoder_2": Expert(arch="t5"),
+        "vae": Expert(arch="vae_kl"),
+        "transformer": Expert(arch="flux", trainable=True, optimizer=adamw(lr), preset=dict(transformer_preset or {})),
+    }
+    return ModelCard(experts=experts, text_max_length=32, **card_kwargs)
+
+
+def i2v_card(lr: float = 1e-3, **card_kwargs) -> ModelCard:
+    """Wan image-to-video (Wan 2.2 layout, no image encoder): UMT5 + Wan VAE (frozen) + trainable transformer."""
+    experts = {
+        "text_encoder": Expert(arch="umt5"),
+        "vae": Expert(arch="wan_vae"),
+        "transformer": Expert(arch="wan_i2v", trainable=True, optimizer=adamw(lr)),
+    }
+    return ModelCard(experts=experts, text_max_length=32, **card_kwargs)
+
+
+def workflow_experts(t2i_trainable: bool = True, i2v_trainable: bool = True, lr: float = 1e-3,
+                     drop: tuple[str, ...] = ()) -> dict[str, Expert]:
+    """A FLUX text-to-image stage ``t2i_*`` and a Wan image-to-video stage ``i2v_*`` on one card."""
+    def generator(arch: str, trainable: bool) -> Expert:
+        return Expert(arch=arch, trainable=trainable, optimizer=adamw(lr) if trainable else None)
+
+    experts = {
+        "t2i_text_encoder": Expert(arch="clip"), "t2i_text_encoder_2": Expert(arch="t5"),
+        "t2i_vae": Expert(arch="vae_kl"), "t2i_transformer": generator("flux", t2i_trainable),
+        "i2v_text_encoder": Expert(arch="umt5"), "i2v_vae": Expert(arch="wan_vae"),
+        "i2v_transformer": generator("wan_i2v", i2v_trainable),
+    }
+    return {name: expert for name, expert in experts.items() if name not in drop}
+
+
 @pytest.fixture
 def tiny_card() -> ModelCard:
     card = wan_card()
