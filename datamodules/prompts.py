@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -57,25 +57,33 @@ class Prompts(ResumableDataModule):
         path: a .txt or .jsonl prompt file.
         prompts: an inline list (instead of ``path``).
         num_synthetic: with neither, this many captions of the synthetic shape videos.
+        exclude, include: concepts the synthetic captions must not / must name (``"magenta"``,
+            ``"colour:magenta"``; as ``SyntheticVideos``).
         batch_size: prompts per iteration (each becomes a group of K samples in RL).
         seed: order of the prompts (and the synthetic captions).
     """
 
     def __init__(self, path: Optional[str] = None, prompts: Optional[list[str]] = None, num_synthetic: int = 64,
-                 batch_size: int = 2, num_workers: int = 0, seed: int = 0):
+                 batch_size: int = 2, num_workers: int = 0, seed: int = 0, exclude: Sequence[str] = (),
+                 include: Sequence[str] = ()):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         if path is not None and prompts is not None:
             raise ValueError("Prompts: give `path` or `prompts`, not both")
         if prompts is not None and not [p for p in prompts if p.strip()]:
             raise ValueError("Prompts: the inline `prompts` list is empty")
+        if (exclude or include) and (path is not None or prompts is not None):
+            raise ValueError("Prompts: exclude/include filter the synthetic captions; drop them or `path`/`prompts`")
         self.path, self.inline, self.num_synthetic = path, prompts, num_synthetic
+        self.exclude, self.include = list(exclude), list(include)
+        if path is None and prompts is None:
+            ShapesDataset(1, 1, 8, 8, self.seed, exclude=self.exclude, include=self.include)  # check at start-up
 
     def prompt_list(self) -> list[str]:
         if self.path is not None:
             return read_prompts(self.path)
         if self.inline is not None:
             return [p.strip() for p in self.inline if p.strip()]
-        shapes = ShapesDataset(self.num_synthetic, 1, 8, 8, self.seed)
+        shapes = ShapesDataset(self.num_synthetic, 1, 8, 8, self.seed, exclude=self.exclude, include=self.include)
         return [shapes[i]["prompt"] for i in range(self.num_synthetic)]
 
     def train_dataset(self) -> Dataset:

@@ -2,75 +2,90 @@
 
 Every sample is a pure function of ``(seed, index)``: a shape (circle, square or triangle) of one
 colour moves in one direction over a background of another, and the caption names all four facts,
-e.g. ``"a red circle moving left on a blue background"``. A tiny text-conditioned generator can learn
-it (colours are global statistics, motion a smooth shift), and the colour-alignment reward of the RL
-methods reads the same colour names from the prompts.
+e.g. ``"a red circle moving left on a blue background"`` (the world itself, its renderer and its
+vocabulary live in ``modules/world.py``; ``modules/geneval.py`` reads the facts back from pixels).
+
+Concepts can be held out: ``exclude`` drops every sample that shows one of the listed values, and
+``include`` keeps only samples that show at least one. A value is a word (``"magenta"``: as shape
+colour or background) or ``fact:word`` (``"colour:magenta"``: only as the shape's colour). The
+pretrained generator never saw ``PRETRAIN_EXCLUDE``; ``configs/finetune.yaml`` teaches it from data.
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts, caption, render
 
-COLOURS: dict[str, tuple[float, float, float]] = {
-    "red": (1.0, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 1.0),
-    "yellow": (1.0, 0.9, 0.1), "magenta": (0.9, 0.1, 0.9), "cyan": (0.1, 0.9, 0.9),
-}
-SHAPES = ("circle", "square", "triangle")
-MOTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
-
-
-def caption(shape: str, colour: str, motion: str, background: str) -> str:
-    return f"a {colour} {shape} moving {motion} on a {background} background"
+COLOURS = PALETTE  # the name this module has always exported
+# What the shipped generator (modules/assets/wan_t2v) was pretrained without: no magenta anywhere.
+PRETRAIN_EXCLUDE = ("magenta",)
+_VALUES = {"shape": SHAPES, "colour": tuple(PALETTE), "background": tuple(PALETTE), "motion": tuple(MOTIONS)}
 
 
-def render(shape: str, colour: str, motion: str, background: str, frames: int, height: int, width: int,
-           start: tuple[float, float] = (0.5, 0.5), radius: float = 0.22, speed: float = 0.25) -> torch.Tensor:
-    """(3, F, H, W) video in [-1, 1]. Positions are fractions of the frame; the shape wraps around."""
-    ys = (torch.arange(height, dtype=torch.float32) + 0.5) / height
-    xs = (torch.arange(width, dtype=torch.float32) + 0.5) / width
-    yy, xx = torch.meshgrid(ys, xs, indexing="ij")
-    fg = torch.tensor(COLOURS[colour]).view(3, 1, 1)
-    bg = torch.tensor(COLOURS[background]).view(3, 1, 1)
-    dx, dy = MOTIONS[motion]
-    video = []
-    for f in range(frames):
-        t = f / max(frames - 1, 1)
-        cx, cy = (start[0] + dx * speed * t) % 1.0, (start[1] + dy * speed * t) % 1.0
-        ddx, ddy = xx - cx, yy - cy
-        if shape == "circle":
-            mask = ddx**2 + ddy**2 <= radius**2
-        elif shape == "square":
-            mask = (ddx.abs() <= radius * 0.85) & (ddy.abs() <= radius * 0.85)
-        else:  # triangle pointing up
-            mask = (ddy <= radius * 0.8) & (ddy >= -radius) & (ddx.abs() <= (ddy + radius) * 0.6)
-        video.append(torch.where(mask, fg, bg))
-    return torch.stack(video, dim=1) * 2 - 1
+def parse_concepts(values: Sequence[str], option: str) -> list[tuple[Optional[str], str]]:
+    """``["magenta", "shape:triangle"]`` -> ``[(None, "magenta"), ("shape", "triangle")]``; an unknown fact
+    or word raises, naming ``option`` and the vocabulary."""
+    concepts, problems = [], []
+    for value in values:
+        fact, _, word = value.rpartition(":")
+        if fact and fact not in _VALUES:
+            problems.append(f"{value!r}: unknown fact {fact!r}; use one of {list(_VALUES)}")
+        elif word not in (_VALUES[fact] if fact else sum(_VALUES.values(), ())):
+            allowed = _VALUES[fact] if fact else sorted(set(sum(_VALUES.values(), ())))
+            problems.append(f"{value!r}: {word!r} is not a value of {fact or 'the world'}; use one of {list(allowed)}")
+        else:
+            concepts.append((fact or None, word))
+    if problems:
+        raise ValueError(f"{option}: " + "; ".join(problems) + " (a word, or fact:word as in 'colour:magenta')")
+    return concepts
+
+
+def shows(facts: Facts, concept: tuple[Optional[str], str]) -> bool:
+    fact, word = concept
+    return any(getattr(facts, f) == word for f in ([fact] if fact else FACTS))
 
 
 class ShapesDataset(Dataset):
-    """``num_samples`` seeded (video, prompt) pairs; ``index`` picks the facts, ``seed`` the layout."""
+    """``num_samples`` seeded (video, prompt) pairs; ``index`` picks the facts, ``seed`` the layout.
 
-    def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0):
+    ``exclude`` / ``include``: concepts (see the module docstring) a sample must not / must show. The
+    facts of an index are redrawn from its own generator until they pass, so every sample stays a pure
+    function of ``(seed, index)`` and the unfiltered data is unchanged.
+    """
+
+    def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
+                 exclude: Sequence[str] = (), include: Sequence[str] = ()):
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples} must be >= 1")
         self.num_samples, self.frames, self.height, self.width, self.seed = num_samples, frames, height, width, seed
+        self.exclude = parse_concepts(exclude, "exclude")
+        self.include = parse_concepts(include, "include")
+        clash = [c for c in self.include if c in self.exclude]
+        if clash:
+            raise ValueError(f"include and exclude both name {clash}; no sample can pass")
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def accepts(self, facts: Facts) -> bool:
+        return not any(shows(facts, c) for c in self.exclude) and \
+            (not self.include or any(shows(facts, c) for c in self.include))
+
     def facts(self, index: int) -> tuple[str, str, str, str]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         colours = list(COLOURS)
-        colour = colours[int(torch.randint(len(colours), (1,), generator=g))]
-        background = [c for c in colours if c != colour][int(torch.randint(len(colours) - 1, (1,), generator=g))]
-        shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
-        motion = list(MOTIONS)[int(torch.randint(len(MOTIONS), (1,), generator=g))]
-        return shape, colour, motion, background
+        for _ in range(1000):
+            colour = colours[int(torch.randint(len(colours), (1,), generator=g))]
+            background = [c for c in colours if c != colour][int(torch.randint(len(colours) - 1, (1,), generator=g))]
+            shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
+            motion = list(MOTIONS)[int(torch.randint(len(MOTIONS), (1,), generator=g))]
+            if self.accepts(Facts(shape, colour, background, motion)):
+                return shape, colour, motion, background
+        raise ValueError(f"no sample passes exclude={self.exclude} include={self.include}; loosen them")
 
     def __getitem__(self, index: int) -> dict:
         shape, colour, motion, background = self.facts(index)
@@ -85,25 +100,37 @@ class SyntheticVideos(ResumableDataModule):
 
     Args:
         num_samples: training set size; validation uses ``val_samples`` more indices after them.
-        frames, height, width: video size in pixels (Wan VAE: frames = 4k+1, H and W multiples of 8).
+        frames, height, width: video size in pixels (Wan VAE: frames = 4k+1; H and W multiples of the
+            VAE's spatial compression).
         batch_size, num_workers, seed: loader settings; ``seed`` fixes content and order.
+        exclude, include: concepts held out of / required in every split (``"magenta"``,
+            ``"colour:magenta"``; see the module docstring).
     """
 
-    def __init__(self, num_samples: int = 512, val_samples: int = 8, frames: int = 9, height: int = 32,
-                 width: int = 32, batch_size: int = 4, num_workers: int = 0, seed: int = 0):
+    def __init__(self, num_samples: int = 512, val_samples: int = 8, frames: int = 5, height: int = 32,
+                 width: int = 32, batch_size: int = 4, num_workers: int = 0, seed: int = 0,
+                 exclude: Sequence[str] = (), include: Sequence[str] = ()):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.num_samples, self.val_samples = num_samples, val_samples
         self.frames, self.height, self.width = frames, height, width
+        self.exclude, self.include = list(exclude), list(include)
+        self.dataset(1)  # check exclude/include at start-up
+
+    def dataset(self, num_samples: int, seed_offset: int = 0) -> ShapesDataset:
+        return ShapesDataset(num_samples, self.frames, self.height, self.width, self.seed + seed_offset,
+                             exclude=self.exclude, include=self.include)
 
     def train_dataset(self) -> Dataset:
-        return ShapesDataset(self.num_samples, self.frames, self.height, self.width, self.seed)
+        return self.dataset(self.num_samples)
 
     def val_dataloader(self) -> Optional[DataLoader]:
-        dataset = ShapesDataset(self.num_samples + self.val_samples, self.frames, self.height, self.width, self.seed)
+        dataset = self.dataset(self.num_samples + self.val_samples)
         subset = torch.utils.data.Subset(dataset, range(self.num_samples, self.num_samples + self.val_samples))
         return DataLoader(subset, batch_size=self.batch_size, num_workers=self.num_workers)
 
     def predict_dataloader(self) -> DataLoader:
-        dataset = ShapesDataset(self.val_samples, self.frames, self.height, self.width, self.seed + 1)
-        prompts = [{"prompt": dataset[i]["prompt"], "seed": i} for i in range(len(dataset))]
+        dataset = self.dataset(self.val_samples, seed_offset=1)
+        # the first frame rides along: an image-to-video generator animates it (the others ignore it)
+        prompts = [{"prompt": dataset[i]["prompt"], "seed": i, "image": dataset[i]["video"][:, 0]}
+                   for i in range(len(dataset))]
         return DataLoader(prompts, batch_size=self.batch_size)

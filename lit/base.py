@@ -67,6 +67,8 @@ class RunArgs:
             ``predict``); a video datamodule takes the same size (the CLI links them).
         seed: seed of the method's own noise generator (offset by the process rank).
         max_nan_steps: stop after this many iterations in a row whose loss was not finite.
+        embedded_guidance: the guidance value a guidance-distilled generator embeds (FLUX-dev;
+            FluxPipeline's ``guidance_scale``); generators without a guidance embedding ignore it.
     """
 
     frames: int = 9
@@ -74,6 +76,7 @@ class RunArgs:
     width: int = 32
     seed: int = 0
     max_nan_steps: int = 3
+    embedded_guidance: float = 3.5
 
     @property
     def video(self) -> VideoSize:
@@ -95,7 +98,8 @@ class ExpertModule(LightningModule):
         self.card = card
         self.sampler = sampler or FlowMatchSampler()
         self.run = run or RunArgs()
-        self.stage = GeneratorStage(card)  # the card's generator: transformer + vae + its text encoders
+        # the card's generator: transformer + vae + its text encoders (+ an image encoder), through its adapter
+        self.stage = GeneratorStage(card, embedded_guidance=self.run.embedded_guidance)
         self.sync_plans: list[SyncPlan] = []
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
         self._micro: dict[str, int] = {}
@@ -137,7 +141,12 @@ class ExpertModule(LightningModule):
             gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
             with gathered(self.card):
                 self.setup_roles()
-        shape = self.stage.latent_shape(self.video)  # a size the VAE and the patch size cannot take stops here
+        self.check_sizes()
+
+    def check_sizes(self) -> None:
+        """A size the VAE and the patch size cannot take stops here, at start-up, and so does a chunk size
+        that does not divide the latent frames."""
+        shape = self.stage.latent_shape(self.video)
         chunk = self.sampler.chunk_frames
         if chunk is not None and shape[1] % chunk:
             raise ValueError(f"sampler.chunk_frames={chunk} does not divide the {shape[1]} latent frames of "
@@ -400,20 +409,36 @@ class ExpertModule(LightningModule):
         """The generator that serves samples: its EMA copy when the method keeps one."""
         return "transformer_ema" if "transformer_ema" in self.card.models else "transformer"
 
-    def conditioning(self, prompts: list[str], guidance_scale: float):
-        """``prompts``' conditioning and, when CFG is on, the empty prompt's (cached like any prompt)."""
-        return self.stage.conditioning(prompts, guidance_scale, self.device)
+    def conditioning(self, prompts: list[str], guidance_scale: float, images: Optional[torch.Tensor] = None):
+        """``prompts``' conditioning and, when CFG is on, the empty prompt's (cached like any prompt); an
+        image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos."""
+        return self.stage.conditioning(prompts, guidance_scale, self.device, images=images, size=self.video)
+
+    def batch_images(self, batch: dict) -> Optional[torch.Tensor]:
+        """The conditioning images of a batch for an image-to-video generator: its ``image`` (B, 3, H, W),
+        else the first frames of its ``video``; None for a generator that reads no image."""
+        if not self.stage.takes_image:
+            return None
+        if "image" in batch:
+            return batch["image"].float()
+        if "video" in batch:
+            return batch["video"][:, :, 0].float()
+        raise ValueError(f"{type(self.stage.adapter).__name__} ({self.stage.transformer!r}) generates from a first "
+                         f"frame, but the batch holds only {sorted(batch)}: use a datamodule whose batches carry "
+                         f"`image` or `video` (SyntheticVideos, VideoFolder), or a workflow with an image stage")
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False) -> torch.Tensor:
-        """(B, C, F, H, W) videos in [-1, 1] for ``prompts``: the sampler's loop over the serving transformer
-        (chunk by chunk for a block-causal one), then VAE decoding. The noise is ``torch.randn`` of one CPU
-        generator seeded with ``seed``, in the latent shape the diffusers pipeline uses, so
-        ``WanPipeline(latents=that noise)`` reproduces it."""
+    def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False,
+                 images: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, C, F, H, W) videos in [-1, 1] for ``prompts`` (and, image-to-video, their first frames
+        ``images``): the sampler's loop over the serving transformer (chunk by chunk for a block-causal one),
+        then VAE decoding. The noise is ``torch.randn`` of one CPU generator seeded with ``seed``, in the
+        latent shape (C, F', h, w) the diffusers pipeline draws, so ``WanPipeline(latents=that noise)``
+        reproduces it (``FluxPipeline`` takes it packed, ``Flux.pack(noise)``)."""
         shape = self.stage.latent_shape(self.video)
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)
-        cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale)
+        cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale, images)
         # the same generator draws any later noise (a few-step student's re-noise steps)
         traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer,
                                  generator=generator)
@@ -422,18 +447,14 @@ class ExpertModule(LightningModule):
     def serving_settings(self) -> dict[str, Any]:
         """What export writes beside the weights so a diffusers pipeline serves as ``predict`` does: the
         scheduler (class and config), steps, guidance, text length, size, the serving transformer."""
-        scheduler = self.sampler.scheduler
-        return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
-                "num_inference_steps": self.sampler.num_steps, "guidance_scale": self.sampler.guidance_scale,
-                "sigmas": self.sampler.step_sigmas, "chunk_frames": self.sampler.chunk_frames,
-                "max_sequence_length": self.card.text_max_length, "num_frames": self.video.frames,
-                "height": self.video.height, "width": self.video.width, "transformer": self.serving_transformer,
-                "generator": self.stage.transformer, "vae": self.stage.vae, "text_encoders": list(self.stage.encoders)}
+        return stage_serving_settings(self.stage, self.sampler, self.video, self.serving_transformer)
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         seeds = batch.get("seed")
         seed = int(seeds[0]) if seeds is not None else batch_idx
-        return {"prompts": list(batch["prompt"]), "videos": self.generate(list(batch["prompt"]), seed=seed).cpu()}
+        prompts = list(batch["prompt"])
+        return {"prompts": prompts,
+                "videos": self.generate(prompts, seed=seed, images=self.batch_images(batch)).cpu()}
 
     # ------------------------------------------------------------------ only training draws from the global RNGs
     # Between two training batches Lightning may run a validation, or, in a resumed run, fast-forward over the one
@@ -534,6 +555,20 @@ class ExpertModule(LightningModule):
             prefix = f"card.models.{name}."
             for key, value in self.card.models[name].state_dict().items():
                 checkpoint["state_dict"][prefix + key] = value
+
+
+def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, size: VideoSize,
+                           transformer: str) -> dict[str, Any]:
+    """The serving settings of one generator stage (export reads them): its sampler's scheduler, steps and
+    guidance, the text length, the size, the component that serves (``transformer``) and the stage's experts."""
+    scheduler = sampler.scheduler
+    return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
+            "num_inference_steps": sampler.num_steps, "guidance_scale": sampler.guidance_scale,
+            "sigmas": sampler.step_sigmas, "chunk_frames": sampler.chunk_frames,
+            "max_sequence_length": stage.card.text_max_length, "num_frames": size.frames,
+            "height": size.height, "width": size.width, "transformer": transformer,
+            "generator": stage.transformer, "vae": stage.vae, "text_encoders": list(stage.encoders),
+            "image_encoder": stage.image_encoder, "embedded_guidance": stage.embedded_guidance}
 
 
 def read_run_meta(path: str) -> Optional[dict]:

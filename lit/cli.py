@@ -84,7 +84,8 @@ class PosttrainCLI(LightningCLI):
             parser.link_arguments(f"model.init_args.run.{key}", f"data.init_args.{key}")
         parser.add_argument("--preset", type=Optional[Literal["tiny"]], default=None,
                             help="tiny: run a real-model recipe at the embedded default's size — every expert from "
-                                 "its tiny preset (no weights read), one CPU process, the default video size")
+                                 "its tiny preset (the pretrained world's weights where an asset is shipped, no "
+                                 "recipe weights read), one CPU process, the default video size")
 
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")  # None when built with run=False
@@ -105,9 +106,10 @@ class PosttrainCLI(LightningCLI):
 
 # ---------------------------------------------------------------------- --preset tiny
 def apply_tiny_preset(config) -> None:
-    """A recipe at the embedded default's size: every expert from its tiny preset (the sources, dtypes,
-    attention backends and offloading of real weights dropped; LoRA, sharding stage and roles kept), one CPU
-    process, the default video size and text length. The method, its settings and the data stay."""
+    """A recipe at the embedded default's size: every expert from its tiny preset, i.e. the shipped asset where
+    there is one (the sources, dtypes, attention backends and offloading of real weights dropped; LoRA,
+    sharding stage and roles kept), one CPU process, the default video size and text length. The method, its
+    settings and the data stay."""
     from posttrain.lit.base import RunArgs
 
     def args(ns):  # a class given as {class_path, init_args} or as its arguments
@@ -312,6 +314,14 @@ def quiet_dependencies() -> None:
             return "litlogger" not in message and not message.startswith("Trainer already configured with model summary")
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropNotes())
+
+    class _DropBackendNote(logging.Filter):
+        # transformers notes once that its image processors fall back to PIL without torchvision (the FLUX and
+        # Wan I2V pipeline modules import them); nothing here uses torchvision
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "requires torchvision (not installed)" not in record.getMessage()
+
+    logging.getLogger("transformers.utils.import_utils").addFilter(_DropBackendNote())
     # Lightning 2.6's CombinedLoader builds torch pytree LeafSpecs, which torch >= 2.10 deprecates: a
     # dependency's note about its own internals, not about this run
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)

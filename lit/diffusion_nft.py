@@ -29,7 +29,8 @@ from posttrain.modules.samplers import FlowMatchSampler
 
 class DiffusionNFT(ExpertModule):
     """Args:
-        card: needs ``transformer`` (trainable), ``text_encoder`` and ``vae``.
+        card: needs ``transformer`` (trainable), ``vae`` and the generator's text encoders (any generator:
+            Wan T2V, FLUX — Flow-GRPO's original setting —, or Wan I2V on batches that carry first frames).
         sampler: the serving sampler; rollouts use its ODE (``num_steps``, ``shift``, ``guidance_scale``).
         reward: scores decoded videos against their prompts; None = ``ColourAlignment()``.
         num_samples_per_prompt: K, the group size (>= 2).
@@ -90,8 +91,10 @@ class DiffusionNFT(ExpertModule):
         K = self.num_samples_per_prompt
         # 1. conditioning: each prompt repeated K times (a group, encoded once by the cache)
         group_prompts = [p for p in prompts for _ in range(K)]
-        group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
-        cond, uncond = self.conditioning(group_prompts, self.sampler.guidance_scale)  # B·K rows
+        group_ids = torch.as_tensor(batch["seed"] if "seed" in batch else batch["index"]).repeat_interleave(K)
+        images = self.batch_images(batch)  # image-to-video: each prompt's first frame, None otherwise
+        images = images.repeat_interleave(K, dim=0) if images is not None else None
+        cond, uncond = self.conditioning(group_prompts, self.sampler.guidance_scale, images)  # B·K rows
 
         # 2. roll out K clean samples per prompt from the `old` policy with the ODE sampler
         x0 = rollout(self.stage, self.sampler, cond, self.stage.latent_shape(self.video), self.generator, sde=False,
@@ -152,6 +155,6 @@ class DiffusionNFT(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of ODE samples of the policy from fixed noise (seed = batch index)."""
         prompts = list(batch["prompt"])
-        videos = self.generate(prompts, seed=batch_idx)
+        videos = self.generate(prompts, seed=batch_idx, images=self.batch_images(batch))
         self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
                  batch_size=len(prompts))

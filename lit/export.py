@@ -1,9 +1,11 @@
 """``posttrain export``: what a run trained, as folders the diffusers / transformers clients load.
 
 By default a generator exports as a **whole pipeline folder** — ``model_index.json``, ``scheduler/`` (the
-scheduler the run sampled with), ``tokenizer/``, ``text_encoder/``, ``vae/``, ``transformer/`` — that
-``WanPipeline.from_pretrained(out)`` loads and that, from the same noise, reproduces ``posttrain predict``
-(tested). The exported transformer is the one the run *serves* (``transformer_ema`` when the method
+scheduler the run sampled with), ``tokenizer/``, ``text_encoder/``, ``vae/``, ``transformer/`` (FLUX adds
+``tokenizer_2/``, ``text_encoder_2/``; a Wan 2.1 I2V ``image_encoder/``, ``image_processor/``) — that the
+generator's pipeline (``WanPipeline``, ``WanImageToVideoPipeline``, ``FluxPipeline``) loads with
+``from_pretrained(out)`` and that, from the same noise, reproduces ``posttrain predict`` (tested). A
+workflow exports one stage per call (``--expert t2i_transformer``). The exported transformer is the one the run *serves* (``transformer_ema`` when the method
 keeps an EMA), unless ``--expert`` names another. ``serving.json`` beside it records the settings to
 call the pipeline with (steps, guidance, text length, size).
 
@@ -25,7 +27,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from posttrain.modules import presets
-from posttrain.modules.generators import ADAPTERS
+from posttrain.modules.generators import ADAPTERS, wan21_image_processor
 
 
 def load_checkpoint(ckpt: str) -> dict:
@@ -64,9 +66,15 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         raise ValueError(f"export: {ckpt!r} was not written by posttrain fit (no 'posttrain' entry)")
     parts = _Parts(checkpoint, ckpt)
     serving = meta.get("serving") or {}
+    stages = serving.get("stages")  # a workflow: one generator stage per export, named by its component
+    if stages is not None and expert is None:
+        raise ValueError(f"export: {ckpt!r} is a workflow; export one stage at a time with --expert, one of "
+                         f"{sorted(stages)} (or any other component with --pipeline false)")
     name = expert or serving.get("transformer") or "transformer"
     if name not in meta["configs"]:
         raise ValueError(f"export: checkpoint has no component {name!r}; --expert is one of {sorted(meta['configs'])}")
+    if stages is not None:
+        serving = stages.get(name, {})
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     model = parts.model(name)
     adapter = ADAPTERS.get(parts.arch(name))
@@ -87,12 +95,17 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         if lora_layers is not None:
             _save_lora(adapter, out, lora_layers)
         return out
-    # the whole pipeline: the serving transformer with the card's VAE, text stack and the run's scheduler
+    # the whole pipeline: the serving transformer with the card's VAE, text stack (and image encoder) and
+    # the run's scheduler, under the pipeline's component names (text_encoder, text_encoder_2, ...)
     components = {"transformer": model, "vae": parts.model(serving.get("vae", "vae"))}
     for i, encoder in enumerate(serving.get("text_encoders", adapter.text_encoders)):
         suffix = "" if i == 0 else f"_{i + 1}"
         components[f"text_encoder{suffix}"] = parts.model(encoder)
-        components[f"tokenizer{suffix}"] = presets.build_tokenizer(parts.source(encoder)["tokenizer"])
+        components[f"tokenizer{suffix}"] = presets.build_tokenizer(
+            parts.source(encoder)["tokenizer"], presets.tokenizer_length(parts.arch(encoder), parts.model(encoder).config))
+    if serving.get("image_encoder"):  # Wan 2.1 I2V: the CLIP vision encoder and its processor
+        components["image_encoder"] = parts.model(serving["image_encoder"])
+        components["image_processor"] = wan21_image_processor(components["image_encoder"])
     for key, value in components.items():
         if isinstance(value, torch.nn.Module):
             presets.cast(value, torch_dtype)
@@ -103,11 +116,10 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         _save_lora(adapter, out, lora_layers)
     # ``sigmas``: a few-step student's list (pass it to ``scheduler.set_timesteps``); ``chunk_frames``: a
     # block-causal student's chunk, which the bidirectional pipeline does not reproduce
-    keys = ("num_inference_steps", "guidance_scale", "max_sequence_length", "num_frames", "height", "width",
-            "sigmas", "chunk_frames")
+    extra = {k: serving[k] for k in ("sigmas", "chunk_frames") if serving.get(k) is not None}
     with open(os.path.join(out, "serving.json"), "w") as f:
-        json.dump({"pipeline": type(pipe).__name__, "transformer": name,
-                   **{k: serving[k] for k in keys if serving.get(k) is not None}}, f, indent=1)
+        json.dump({"pipeline": type(pipe).__name__, "transformer": name, **adapter.pipeline_call(serving), **extra},
+                  f, indent=1)
     return out
 
 

@@ -1,11 +1,15 @@
-"""Flow-matching finetuning of the generator on captioned videos.
+"""Flow-matching finetuning of the generator on captioned videos (or images).
 
 Regress the transformer's velocity onto ``ε - x0`` at a random noise level σ (rectified flow; Esser
 et al. 2024, "Scaling Rectified Flow Transformers", logit-normal σ as in SD3/Wan training), with
-conditioning from the frozen text encoder (cached by prompt hash and encoder version). Optional EMA
-of the generator, kept by a sync plan and used for sampling.
+conditioning from the frozen text encoders (cached by prompt hash and encoder version) and, for an
+image-to-video generator, from each video's own first frame (Wan I2V's training setup). Any generator
+of ``modules/generators.py``: Wan T2V on videos, FLUX on images (one-frame videos), Wan I2V on videos.
+Optional EMA of the generator, kept by a sync plan and used for sampling.
 
-    posttrain fit --config configs/finetune.yaml
+    posttrain fit --config configs/finetune.yaml          # Wan T2V
+    posttrain fit --config configs/finetune_flux.yaml     # FLUX text-to-image
+    posttrain fit --config configs/finetune_i2v.yaml      # Wan image-to-video
 """
 from __future__ import annotations
 
@@ -16,13 +20,15 @@ import torch
 from posttrain.callbacks.versions import SyncPlan, constant
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
+from posttrain.modules.generators import VideoSize
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
 from posttrain.modules.samplers import FlowMatchSampler
 
 
 class Finetune(ExpertModule):
     """Args:
-        card: needs ``transformer`` (trainable), ``text_encoder`` and ``vae``.
+        card: needs ``transformer`` (trainable), ``vae`` and the generator's text encoders
+            (``text_encoder``; FLUX also ``text_encoder_2``).
         sigma_sampling: how training noise levels are drawn.
         shift: flow shift applied to the drawn σ.
         logit_mean, logit_std: parameters of the logit-normal σ.
@@ -59,11 +65,12 @@ class Finetune(ExpertModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # 1. clean latents x0 (B, C, F', h, w): precomputed by the datamodule, or the frozen VAE's
         x0 = self.latents(batch)
-        # 2. conditioning; a fraction of captions is dropped to the empty prompt for CFG
+        # 2. conditioning; a fraction of captions is dropped to the empty prompt for CFG (an image-to-video
+        #    generator keeps its first frame: the pipelines' negative pass swaps only the text)
         prompts = list(batch["prompt"])
         drop = torch.rand(len(prompts), generator=self.generator) < self.caption_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
-        cond = self.stage.condition(prompts, self.device)
+        cond = self.stage.condition(prompts, self.device, images=self.batch_images(batch), size=self.size_of(batch))
         # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε
         sigma = sample_sigmas(x0.shape[0], self.sigma_sampling, self.generator, self.shift,
                               self.logit_mean, self.logit_std).to(self.device)
@@ -82,7 +89,8 @@ class Finetune(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Flow-matching loss at fixed σ with fixed noise: comparable across the run."""
         x0 = self.latents(batch)
-        cond = self.stage.condition(list(batch["prompt"]), self.device)
+        cond = self.stage.condition(list(batch["prompt"]), self.device, images=self.batch_images(batch),
+                                    size=self.size_of(batch))
         g = torch.Generator().manual_seed(batch_idx)
         losses = []
         with self.stage.velocity(self.serving_transformer) as velocity:
@@ -94,6 +102,14 @@ class Finetune(ExpertModule):
         self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0])
 
     def latents(self, batch: dict) -> torch.Tensor:
+        """(B, C, F', h, w) clean latents: the datamodule's, or the VAE's of the batch's videos."""
         if "latents" in batch:
             return batch["latents"].float()
         return self.stage.encode(batch["video"])
+
+    def size_of(self, batch: dict):
+        """The pixel size of the batch's videos (what an image-to-video conditioning is built for)."""
+        if "video" not in batch:
+            return self.video
+        _, _, frames, height, width = batch["video"].shape
+        return VideoSize(frames, height, width)

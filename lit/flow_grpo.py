@@ -26,7 +26,8 @@ from posttrain.modules.samplers import FlowMatchSampler
 
 class FlowGRPO(ExpertModule):
     """Args:
-        card: needs ``transformer`` (trainable), ``text_encoder`` and ``vae``.
+        card: needs ``transformer`` (trainable), ``vae`` and the generator's text encoders (any generator:
+            Wan T2V, FLUX — Flow-GRPO's original setting —, or Wan I2V on batches that carry first frames).
         sampler: the serving sampler; rollouts use it with its SDE step on (``noise_level``,
             ``sde_window``) and ``num_steps`` steps.
         reward: scores decoded videos against their prompts; None = ``ColourAlignment()``.
@@ -90,8 +91,10 @@ class FlowGRPO(ExpertModule):
         # 1. conditioning: each prompt repeated K times (a group); the cache encodes it once.
         #    Group ids are the prompts' dataset indices, the same on every process.
         group_prompts = [p for p in prompts for _ in range(K)]
-        group_ids = torch.as_tensor(batch["seed"]).repeat_interleave(K)
-        cond, uncond = self.conditioning(group_prompts, self.guidance_scale)  # B·K rows
+        group_ids = torch.as_tensor(batch["seed"] if "seed" in batch else batch["index"]).repeat_interleave(K)
+        images = self.batch_images(batch)  # image-to-video: each prompt's first frame, None otherwise
+        images = images.repeat_interleave(K, dim=0) if images is not None else None
+        cond, uncond = self.conditioning(group_prompts, self.guidance_scale, images)  # B·K rows
 
         # 2. roll out K SDE samples per prompt, capturing x_t and log p of every step
         traj = rollout(self.stage, self.sampler, cond, self.stage.latent_shape(self.video), self.generator,
@@ -141,6 +144,6 @@ class FlowGRPO(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of ODE samples from fixed noise (seed = batch index): comparable across the run."""
         prompts = list(batch["prompt"])
-        videos = self.generate(prompts, seed=batch_idx)
+        videos = self.generate(prompts, seed=batch_idx, images=self.batch_images(batch))
         self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
                  batch_size=len(prompts))

@@ -45,6 +45,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from posttrain.lit import checkpoints as ckpt
+from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard
 
 TAG = "zero"  # engine.save_checkpoint tag inside each expert's folder
@@ -102,9 +103,16 @@ class ShardedExpertsStrategy(DDPStrategy):
         return card
 
     def expert_init_context(self, name: str, spec: Expert) -> ContextManager:
-        """``deepspeed.zero.Init`` for a ZeRO-3 expert while fitting: each process builds only its shard."""
+        """``deepspeed.zero.Init`` for a ZeRO-3 expert while fitting: each process builds only its shard.
+
+        Only for an expert built from a config (random weights): ``from_pretrained`` of a diffusers class
+        cannot fill ``zero.Init``'s partitions ("Cannot copy out of meta tensor"), so an expert that loads
+        stored weights (``pretrained``, or a shipped asset) is built whole and partitioned by its engine.
+        """
         trainer = self.lightning_module._trainer
         if not spec.sharded or spec.zero.stage != 3 or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return contextlib.nullcontext()
+        if presets.loads_weights(spec.arch, spec.pretrained, spec.preset):
             return contextlib.nullcontext()
         import deepspeed
 

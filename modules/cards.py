@@ -192,7 +192,8 @@ class ModelCard(nn.Module):
         for name, spec in self.specs.items():
             model = built[name]
             if spec.arch in presets.TEXT_ENCODERS or spec.arch == "qwen2":
-                self.tokenizers[name] = presets.build_tokenizer(spec.tokenizer)
+                self.tokenizers[name] = presets.build_tokenizer(
+                    spec.tokenizer, presets.tokenizer_length(spec.arch, model.config))
             if spec.lora is not None:
                 from peft import LoraConfig as PeftLoraConfig
 

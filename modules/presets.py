@@ -17,6 +17,10 @@ from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, W
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     T5Config,
@@ -27,7 +31,8 @@ from transformers import (
 
 from posttrain.modules.causal_wan import CausalWanTransformer3DModel
 
-Arch = Literal["wan_t2v", "wan_t2v_causal", "wan_i2v", "wan_vae", "umt5", "t5", "qwen2", "flux", "vae_kl"]
+Arch = Literal["wan_t2v", "wan_t2v_causal", "wan_i2v", "wan_vae", "umt5", "t5", "clip", "clip_vision", "qwen2", "flux",
+               "vae_kl"]
 
 # ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model
 # uses this vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them.
@@ -35,30 +40,36 @@ BYT5_VOCAB = 384
 TEXT_DIM = 32
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # WanTransformer3DModel, 0.15M parameters; text_dim matches the tiny UMT5's d_model.
+    # WanTransformer3DModel, 1.2M parameters; patch (1,2,2) on the 4x VAE's latents: a 5x32x32 video is
+    # 2x4x4 = 32 tokens. text_dim matches the UMT5's d_model. Without overrides it loads
+    # TRAINED_ASSETS["wan_t2v"] (scripts/train_world.py), trained jointly with that UMT5.
     "wan_t2v": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
-    # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict.
+    # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict
+    # (``init_from: teacher`` copies the pretrained world's generator into it).
     "wan_t2v_causal": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
-    # Wan 2.2-style image-to-video: noisy latent (16) + mask (4) + image latent (16) channels in.
+    # Wan 2.2-style image-to-video (``WanImageToVideoPipeline`` without an image encoder): noisy latent (16)
+    # + first-frame mask (4, the VAE's temporal factor) + image latents (16) channels in. The Wan 2.1 layout
+    # adds ``image_dim`` and ``added_kv_proj_dim`` (a CLIP vision encoder's tokens; see ``clip_vision``).
+    # The world's I2V generator has the world's T2V dimensions (1.2M parameters; it starts from its weights).
     "wan_i2v": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=36,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=36,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
-    # AutoencoderKLWan: 8x spatial, 4x temporal ((F-1)/4+1 latent frames), 16 latent channels. Without
-    # overrides it loads TRAINED_ASSETS["wan_vae"]: a random VAE decodes every latent to nearly one
-    # colour, so no reward on decoded pixels could move.
+    # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent
+    # channels, encoder and decoder of width 16 (0.13M parameters). Without overrides it loads
+    # TRAINED_ASSETS["wan_vae"] (scripts/train_vae.py), which is exactly this architecture.
     "wan_vae": dict(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
-        temperal_downsample=[False, True, True],
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
+        scale_factor_spatial=4, scale_factor_temporal=4,
     ),
     "umt5": dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
@@ -68,20 +79,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         dropout_rate=0.0, relative_attention_num_buckets=8,
     ),
+    # FLUX's pooled text encoder (``CLIPTextModel.pooler_output``: the final hidden state at the first eos).
+    # ByT5 ids (eos 1, pad 0); ``max_position_embeddings`` is the tokenizer's ``model_max_length``, which
+    # FluxPipeline pads every prompt to.
+    "clip": dict(
+        vocab_size=BYT5_VOCAB, hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM,
+        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=1,
+    ),
+    # Wan 2.1 I2V's image encoder (``CLIPVisionModel``; the pipeline reads its penultimate hidden states).
+    "clip_vision": dict(
+        hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8,
+    ),
     "qwen2": dict(
         vocab_size=BYT5_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
         attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
         pad_token_id=0,
     ),
+    # FLUX text-to-image, 0.47M parameters: 2×2 packed latents of the 16-channel VAE in (64), T5 tokens
+    # (joint_attention_dim) and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the
+    # head dim. A 32 px image is 8×8 latents, 16 tokens.
     "flux": dict(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
-        axes_dims_rope=(4, 4, 8),
+        axes_dims_rope=(8, 12, 12),
     ),
+    # AutoencoderKL for FLUX: 4x spatial (three levels; FluxPipeline reads 2^(levels-1) from the config),
+    # 16 latent channels; normalized by (z - shift_factor)·scaling_factor.
     "vae_kl": dict(
-        block_out_channels=(8, 16, 32, 32), latent_channels=16, norm_num_groups=8,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32), latent_channels=16, norm_num_groups=8, layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         shift_factor=0.0, scaling_factor=1.0,
     ),
 }
@@ -91,14 +120,23 @@ _DIFFUSERS = {
     "wan_vae": AutoencoderKLWan, "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
 }
 _TRANSFORMERS = {
-    "umt5": (UMT5EncoderModel, UMT5Config), "t5": (T5EncoderModel, T5Config),
+    "umt5": (UMT5EncoderModel, UMT5Config), "t5": (T5EncoderModel, T5Config), "clip": (CLIPTextModel, CLIPTextConfig),
+    "clip_vision": (CLIPVisionModel, CLIPVisionConfig),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),
 }
-TEXT_ENCODERS = ("umt5", "t5")
+TEXT_ENCODERS = ("umt5", "t5", "clip")
 DIFFUSERS_ARCHS = tuple(_DIFFUSERS)
-# Tiny presets that carry trained weights (made here from the synthetic data, no download):
-# scripts/train_tiny_vae.py trained this VAE for 3000 steps on the shape videos (7 minutes on a CPU).
-TRAINED_ASSETS = {"wan_vae": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_wan_vae")}
+# Presets that carry trained weights, made here from the synthetic data (no download) by the scripts
+# named, and loaded through ``from_pretrained`` like any local checkpoint (times on 2 CPU cores):
+# scripts/train_vae.py (the VAE), then scripts/train_world.py (the UMT5 and the Wan generator, jointly).
+_ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+TRAINED_ASSETS = {arch: os.path.join(_ASSETS, arch) for arch in ("wan_vae", "umt5", "wan_t2v")}
+# The world's text-to-image and image-to-video stages (times on the shared 2-core machine):
+# scripts/train_flux_vae.py (the image VAE, 36 min), scripts/train_flux.py (CLIP + T5 + FLUX jointly),
+# scripts/train_i2v.py (Wan I2V from the world's T2V, with the world's UMT5 and VAE above: the I2V asset was
+# trained in that VAE's latent space and reads that UMT5's states).
+TRAINED_ASSETS.update({arch: os.path.join(_ASSETS, arch) for arch in ("vae_kl", "flux", "clip", "t5", "wan_i2v")
+                       if os.path.isdir(os.path.join(_ASSETS, arch))})
 
 
 def model_class(arch: str) -> type[torch.nn.Module]:
@@ -114,6 +152,12 @@ def check_pretrained(pretrained: str) -> str | None:
     if os.path.exists(pretrained) or pretrained.startswith((".", "/", "~")) or pretrained.count("/") != 1:
         return f"pretrained path {pretrained!r} is not a folder"
     return None  # "org/name": resolved from the local Hugging Face cache at build time
+
+
+def loads_weights(arch: str, pretrained: str | None = None, preset: dict[str, Any] | None = None) -> bool:
+    """Whether ``build_model`` reads stored weights (``pretrained``, or the shipped asset of a preset without
+    overrides) rather than building random ones from a config."""
+    return pretrained is not None or (arch in TRAINED_ASSETS and not preset)
 
 
 def build_model(arch: str, pretrained: str | None = None, subfolder: str | None = None,
@@ -146,7 +190,7 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
                 f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "
                 f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
             ) from err
-    if arch in TRAINED_ASSETS and not preset:
+    if loads_weights(arch, None, preset):
         model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
         return cast(model, dtype)
     config = {**PRESETS[arch], **(preset or {})}
@@ -171,8 +215,19 @@ def cast(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
     return model
 
 
-def build_tokenizer(path: str | None = None):
-    """``ByT5Tokenizer()`` needs no vocabulary file; a real text encoder names its own tokenizer folder."""
-    if path is None:
-        return ByT5Tokenizer()
-    return AutoTokenizer.from_pretrained(path, local_files_only=not os.path.isdir(path))
+def build_tokenizer(path: str | None = None, model_max_length: int | None = None):
+    """``ByT5Tokenizer()`` needs no vocabulary file; a real text encoder names its own tokenizer folder.
+    ``model_max_length`` is what pipelines that pad to the tokenizer's length read (FluxPipeline's CLIP)."""
+    if path is not None:
+        return AutoTokenizer.from_pretrained(path, local_files_only=not os.path.isdir(path))
+    if model_max_length is not None:
+        return ByT5Tokenizer(model_max_length=model_max_length)
+    return ByT5Tokenizer()
+
+
+def tokenizer_length(arch: str, config: Any) -> int | None:
+    """The ``model_max_length`` a tokenizer built for ``arch`` needs: CLIP pads to its position table."""
+    if arch == "clip":
+        config = config if isinstance(config, dict) else config.to_dict()
+        return int(config["max_position_embeddings"])
+    return None

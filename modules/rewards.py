@@ -4,7 +4,9 @@
 samples were generated from; ``context`` an optional dict a method fills:
 
 - ``"original_prompts"``: the user's prompts before any refinement (joint RL), list[str] of B;
-- ``"refinements"``: ``{expert_name: list[str] of B}``, each refiner's text for each sample (joint RL).
+- ``"refinements"``: ``{expert_name: list[str] of B}``, each refiner's text for each sample (joint RL);
+- ``"stages"``: ``{stage_name: (B, 3, F, H, W)}``, every generator stage's media of a workflow (the
+  image a video was made from), read by ``StageReward``.
 
 A reward returns a total (B,) and named terms (B,) each, so per-expert credit can read a term: the
 terms of ``RefinementKeyword`` are named after the experts (``refiner_0``…), and ``WeightedReward``
@@ -23,6 +25,9 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+
+from posttrain.modules.geneval import judge
+from posttrain.modules.world import MOTIONS  # (dx, dy) of each direction, in frame fractions
 
 # The palette of the synthetic shape videos (``posttrain.datamodules.synthetic.COLOURS``, RGB in [0, 1]). A copy,
 # because modules/ must not import the datamodules (they import Lightning); a test keeps them equal.
@@ -155,6 +160,116 @@ class ColourAlignment(Reward):
                 distance[b] = (mean_rgb[b] - target.to(media.device)).norm()
                 total[b] = 1 - distance[b] / (2 * math.sqrt(3))
         return RewardOutput(total, {"distance": distance})
+
+
+class SyntheticGenEvalReward(Reward):
+    """Synthetic GenEval as a reward, the way Flow-GRPO optimises GenEval: per sample, one term per fact
+    of the synthetic world (``shape``, ``colour``, ``background``, ``motion``: 1 when the video shows what
+    the prompt names, else 0, read back from pixels by ``modules/geneval.py``) and a total of either the
+    mean of the facts the prompt names (``total="mean"``, a denser signal) or 1 only when all of them
+    are shown (``"all"``, GenEval's strict score). A fact the prompt does not name scores 0 in its term
+    and does not count in the total; a prompt naming none stops with an error. Scores the original
+    prompt under joint RL.
+
+    Args:
+        total: how the facts combine into the total.
+        min_motion: the shape's path, in frames, below which the video shows no motion.
+    """
+
+    def __init__(self, total: Literal["mean", "all"] = "mean", min_motion: float = 0.05):
+        if total not in ("mean", "all"):
+            raise ValueError(f"SyntheticGenEvalReward: total={total!r}; choose 'mean' or 'all'")
+        self.total, self.min_motion = total, min_motion
+
+    def __call__(self, media, prompts, context=None) -> RewardOutput:
+        verdicts = judge(media.detach(), prompts_for_scoring(prompts, context), self.min_motion)
+        table = torch.stack(list(verdicts.values()), dim=1)  # (B, 4): 1 shown, 0 not, NaN not asked
+        asked = ~table.isnan()
+        if self.total == "mean":
+            total = table.nan_to_num(0.0).sum(1) / asked.sum(1)
+        else:
+            total = (table.nan_to_num(1.0) == 1).all(1).float()
+        return RewardOutput(total, {fact: v.nan_to_num(0.0) for fact, v in verdicts.items()})
+
+
+def prompt_motion(prompt: str) -> Optional[tuple[int, int]]:
+    """The (dx, dy) direction a prompt names: the first direction word after "moving" (else anywhere)."""
+    words = re.findall(r"[a-z]+", prompt.lower())
+    after = words[words.index("moving") + 1:] if "moving" in words else words
+    word = next((w for w in after if w in MOTIONS), None) or next((w for w in words if w in MOTIONS), None)
+    return MOTIONS[word] if word is not None else None
+
+
+class MotionAlignment(Reward):
+    """How far the shape moves the way its prompt says, a smooth reading of the synthetic world's motion.
+
+    Per video: the background colour is the per-channel median of the border pixels of all frames; each
+    pixel weighs ``min(|rgb - background| / softness, 1)`` (1 on the shape, 0 on the background, in between
+    on blurred edges); the weighted centroid of each frame is a circular mean (the world wraps around);
+    the reward is the first-to-last centroid displacement along the prompt's direction (wrapped to the
+    short way round) divided by ``distance``, clipped to [-1, 1]. A prompt naming no direction, or a one-
+    frame video, scores ``no_motion_reward``. Terms: ``displacement`` (along the direction, in frames).
+
+    Args:
+        distance: the displacement that scores 1 (the world's shapes move a quarter of the frame).
+        softness: RGB distance (in [-1, 1] units) from the background at which a pixel counts fully.
+        no_motion_reward: the reward of a sample without a direction or without motion to read.
+    """
+
+    def __init__(self, distance: float = 0.25, softness: float = 0.5, no_motion_reward: float = 0.0):
+        if distance <= 0 or softness <= 0:
+            raise ValueError(f"MotionAlignment: distance={distance} and softness={softness} must be > 0")
+        self.distance, self.softness, self.no_motion_reward = distance, softness, no_motion_reward
+
+    def __call__(self, media, prompts, context=None) -> RewardOutput:
+        prompts = prompts_for_scoring(prompts, context)
+        media = media.float()
+        B, _, frames, H, W = media.shape
+        border = torch.cat([media[..., 0, :], media[..., -1, :], media[..., :, 0], media[..., :, -1]], dim=-1)
+        background = border.flatten(2).median(dim=-1).values  # (B, 3)
+        weight = ((media - background[:, :, None, None, None]).norm(dim=1) / self.softness).clamp(max=1)  # (B, F, H, W)
+        ys = ((torch.arange(H, device=media.device) + 0.5) / H).view(1, 1, H, 1)
+        xs = ((torch.arange(W, device=media.device) + 0.5) / W).view(1, 1, 1, W)
+
+        def circular(coords: torch.Tensor) -> torch.Tensor:  # (B, F) weighted mean position on the torus
+            angle = 2 * math.pi * coords
+            return torch.atan2((weight * angle.sin()).sum((2, 3)), (weight * angle.cos()).sum((2, 3))) / (2 * math.pi)
+
+        cx, cy = circular(xs.expand_as(weight)), circular(ys.expand_as(weight))
+        wrap = lambda d: torch.remainder(d + 0.5, 1.0) - 0.5  # noqa: E731
+        dx, dy = wrap(cx[:, -1] - cx[:, 0]), wrap(cy[:, -1] - cy[:, 0])
+        total = torch.full((B,), float(self.no_motion_reward), device=media.device)
+        along = torch.zeros(B, device=media.device)
+        for b, prompt in enumerate(prompts):
+            direction = prompt_motion(prompt)
+            if direction is not None and frames > 1:
+                along[b] = dx[b] * direction[0] + dy[b] * direction[1]
+                total[b] = (along[b] / self.distance).clamp(-1, 1)
+        return RewardOutput(total, {"displacement": along})
+
+
+class StageReward(Reward):
+    """``reward`` applied to an intermediate stage's media of a workflow (``context["stages"][stage]``), e.g.
+    the colour of the image a video was made from: a reward on the final video whose term reads the image.
+
+    Args:
+        reward: the reward to apply.
+        stage: the workflow stage whose media it scores.
+    """
+
+    def __init__(self, reward: Reward, stage: str):
+        self.reward, self.stage = reward, stage
+
+    @property
+    def name(self) -> str:
+        return f"{reward_name(self.reward)}@{self.stage}"
+
+    def __call__(self, media, prompts, context=None) -> RewardOutput:
+        stages = (context or {}).get("stages") or {}
+        if self.stage not in stages:
+            raise ValueError(f"reward {self.name!r} scores the media of workflow stage {self.stage!r}, but the "
+                             f"context holds stages {sorted(stages)}: use it with workflow_rl and name one of them")
+        return check_reward_output(self.reward(stages[self.stage], prompts, context), len(prompts), self.name)
 
 
 class JpegCompressibility(Reward):

@@ -18,15 +18,57 @@ def adamw(lr: float = 1e-3, **kwargs):
     return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **kwargs)
 
 
+# A random 0.15M-parameter Wan generator for the method tests (any preset override gives random
+# weights): they measure learning against a control from scratch, fast. The pretrained world's
+# generator (``wan_t2v`` without overrides) is tested in test_world.py.
+TINY_WAN = {"num_attention_heads": 2, "ffn_dim": 128, "num_layers": 2}
+
+
 def wan_card(lr: float = 1e-3, extra: dict[str, Expert] | None = None, **card_kwargs) -> ModelCard:
-    """text encoder + VAE (frozen) + trainable Wan transformer, all tiny presets."""
+    """the pretrained world's text encoder and VAE (frozen) + a trainable tiny random Wan transformer."""
     experts = {
         "text_encoder": Expert(arch="umt5"),
         "vae": Expert(arch="wan_vae"),
-        "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr)),
+        "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr)),
     }
     experts.update(extra or {})
     return ModelCard(experts=experts, text_max_length=32, **card_kwargs)
+
+
+def flux_card(lr: float = 1e-3, transformer_preset: dict | None = None, **card_kwargs) -> ModelCard:
+    """FLUX text-to-image: CLIP (pooled) + T5 text encoders and the image VAE (frozen) + trainable FLUX."""
+    experts = {
+        "text_encoder": Expert(arch="clip"),
+        "text_encoder_2": Expert(arch="t5"),
+        "vae": Expert(arch="vae_kl"),
+        "transformer": Expert(arch="flux", trainable=True, optimizer=adamw(lr), preset=dict(transformer_preset or {})),
+    }
+    return ModelCard(experts=experts, text_max_length=32, **card_kwargs)
+
+
+def i2v_card(lr: float = 1e-3, **card_kwargs) -> ModelCard:
+    """Wan image-to-video (Wan 2.2 layout, no image encoder): UMT5 + Wan VAE (frozen) + trainable transformer."""
+    experts = {
+        "text_encoder": Expert(arch="umt5"),
+        "vae": Expert(arch="wan_vae"),
+        "transformer": Expert(arch="wan_i2v", trainable=True, optimizer=adamw(lr)),
+    }
+    return ModelCard(experts=experts, text_max_length=32, **card_kwargs)
+
+
+def workflow_experts(t2i_trainable: bool = True, i2v_trainable: bool = True, lr: float = 1e-3,
+                     drop: tuple[str, ...] = ()) -> dict[str, Expert]:
+    """A FLUX text-to-image stage ``t2i_*`` and a Wan image-to-video stage ``i2v_*`` on one card."""
+    def generator(arch: str, trainable: bool) -> Expert:
+        return Expert(arch=arch, trainable=trainable, optimizer=adamw(lr) if trainable else None)
+
+    experts = {
+        "t2i_text_encoder": Expert(arch="clip"), "t2i_text_encoder_2": Expert(arch="t5"),
+        "t2i_vae": Expert(arch="vae_kl"), "t2i_transformer": generator("flux", t2i_trainable),
+        "i2v_text_encoder": Expert(arch="umt5"), "i2v_vae": Expert(arch="wan_vae"),
+        "i2v_transformer": generator("wan_i2v", i2v_trainable),
+    }
+    return {name: expert for name, expert in experts.items() if name not in drop}
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
+from tests.conftest import TINY_WAN
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -28,7 +29,7 @@ ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_d
 
 def expert(zero_stage: Optional[int], **extra) -> dict:
     """A trainable tiny Wan transformer; ``zero_stage=None`` keeps it under plain DDP."""
-    spec: dict[str, Any] = {"arch": "wan_t2v", "trainable": True, "optimizer": ADAMW}
+    spec: dict[str, Any] = {"arch": "wan_t2v", "preset": TINY_WAN, "trainable": True, "optimizer": ADAMW}
     if zero_stage is not None:
         spec.update(sharded=True, zero={"stage": zero_stage})
     return spec | extra

@@ -9,7 +9,7 @@ from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
 from posttrain.modules.samplers import FlowMatchSampler
-from tests.conftest import adamw
+from tests.conftest import TINY_WAN, adamw
 from tests.helpers import quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make(lr: float = 1e-3, reward=None, **kwargs) -> DiffusionNFT:
     card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": VAE,
-                      "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr))}, text_max_length=32)
+                      "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr))}, text_max_length=32)
     defaults = dict(num_samples_per_prompt=4, sampler=FlowMatchSampler(num_steps=8), **VIDEO)
     defaults.update(kwargs)
     return DiffusionNFT(card, reward=reward, **defaults)

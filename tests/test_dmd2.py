@@ -227,7 +227,7 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
                    "class_path": "diffusers.FlowMatchEulerDiscreteScheduler",
                    "init_args": {"shift": 3.0, "stochastic_sampling": True}}}}
     adam = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "betas": [0.0, 0.999]}}
-    experts = {"teacher": {"arch": "wan_t2v"},
+    experts = {"teacher": {"arch": "wan_t2v", "preset": h.TINY_WAN},  # the students' (tiny random) architecture
                "transformer": h.expert(3, init_from="teacher", optimizer=adam),
                "critic": h.expert(None, init_from="teacher", optimizer=adam)}
 

@@ -13,7 +13,7 @@ from posttrain.lit.cli import PosttrainCLI
 from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.presets import build_model
-from tests.conftest import adamw, wan_card
+from tests.conftest import TINY_WAN, adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def test_pretrained_folder_of_the_wrong_class(tmp_path):
 def test_nan_loss_skips_the_step_then_stops(tmp_path):
     """From iteration 3 the transformer's loss is NaN: its step is skipped (weights stay those after
     iteration 2, finite), the critic keeps training, and the run stops after max_nan_steps=2 in a row."""
-    card = wan_card(extra={"critic": Expert(arch="wan_t2v", trainable=True, optimizer=adamw())})
+    card = wan_card(extra={"critic": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw())})
     module = TwoExperts(card, nan_at=3, max_nan_steps=2)
     snapshots = {}
 
@@ -130,7 +130,7 @@ def test_two_experts_under_ddp(tmp_path):
     def run(strategy: str) -> subprocess.CompletedProcess:
         experts = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}}
         for name in ("transformer", "critic"):
-            experts[name] = {"arch": "wan_t2v", "trainable": True,
+            experts[name] = {"arch": "wan_t2v", "preset": TINY_WAN, "trainable": True,
                              "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}}}
         config = {
             "seed_everything": 0,

@@ -11,7 +11,7 @@ from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
 from posttrain.modules.samplers import FlowMatchSampler
-from tests.conftest import adamw
+from tests.conftest import TINY_WAN, adamw
 from tests.helpers import quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def rl_card(lr: float) -> ModelCard:
     return ModelCard({"text_encoder": Expert(arch="umt5"), "vae": VAE,
-                      "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=adamw(lr))}, text_max_length=32)
+                      "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr))}, text_max_length=32)
 
 
 def make(lr: float = 1e-3, reward=None, **kwargs) -> FlowGRPO:

@@ -18,6 +18,7 @@ from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.media import write_media
 from posttrain.modules.presets import build_model
+from tests.conftest import TINY_WAN
 
 RED = torch.tensor(COLOURS["red"]) * 2 - 1  # the shapes' colours in [-1, 1]
 BLUE = torch.tensor(COLOURS["blue"]) * 2 - 1
@@ -163,7 +164,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
     assert len(calls) == 3 and len(list(cache.iterdir())) == 3
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"latents", "prompt", "index"}
-    assert batch["latents"].shape == (3, 16, 2, 2, 2)  # (B, z, (F-1)/4+1, H/8, W/8)
+    assert batch["latents"].shape == (3, 16, 2, 4, 4)  # (B, z, (F-1)/4+1, H/4, W/4): the 4x world VAE
     # the cached latents are what the VAE gives for the same pixels
     item = dm.train_dataset()[0]
     model = build_model("wan_vae", pretrained=vae.pretrained).eval()
@@ -176,7 +177,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
 
     stale = loaded(frames=5, height=24, width=16)  # other size: new entries, the old ones are not read
     assert len(calls) == 3 and len(list(cache.iterdir())) == 6
-    assert next(iter(stale.train_dataloader()))["latents"].shape == (3, 16, 2, 3, 2)
+    assert next(iter(stale.train_dataloader()))["latents"].shape == (3, 16, 2, 6, 4)
     calls.clear()
 
     clip(clips / "a.mp4", frames=12, colour="green")  # edited file: only it is encoded again
@@ -194,7 +195,8 @@ def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_pa
     seed_everything(0)
     card = ModelCard(experts={
         "text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
-        "transformer": Expert(arch="wan_t2v", trainable=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
+        "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True,
+                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
         text_max_length=32)
     module = Finetune(card, run=RunArgs(frames=5, height=16, width=16))
 

@@ -8,7 +8,7 @@ import torch
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert
-from tests.conftest import adamw, wan_card
+from tests.conftest import TINY_WAN, adamw, wan_card
 from tests.helpers import quick_trainer
 
 
@@ -20,7 +20,8 @@ def test_checkpoint_of_another_card_is_refused_whole(tmp_path):
     path = tmp_path / "two.ckpt"
     trainer.save_checkpoint(path)
 
-    other = Finetune(wan_card(extra={"critic": Expert(arch="wan_t2v", trainable=True, optimizer=adamw())}),
+    other = Finetune(wan_card(extra={"critic": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True,
+                                                      optimizer=adamw())}),
                      caption_dropout=0.0)
     other.configure_model()
     before = {k: v.clone() for k, v in other.state_dict().items()}

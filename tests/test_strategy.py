@@ -294,7 +294,7 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
                 loaded.update({k: v.detach().clone() for k, v in module.named_parameters()})
 
-    transformer = Expert(arch="wan_t2v", trainable=True, sharded=True,
+    transformer = Expert(arch="wan_t2v", preset=h.TINY_WAN, trainable=True, sharded=True,  # the runs' architecture
                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
                          zero=ZeroConfig(stage=3, extra={"checkpoint": {"load_universal": True}}))
     model = Finetune(ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),

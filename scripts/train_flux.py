@@ -1,0 +1,182 @@
+"""Pretrain the FLUX text-to-image stage of the world: CLIP, T5 and the FLUX transformer together; save all three.
+
+Flow matching (rectified flow, logit-normal σ, 10% caption dropout for CFG) on the FLUX VAE's latents
+(``scripts/train_flux_vae.py``) of the world's first frames, captioned with the video's full caption: in a
+workflow one prompt drives the image stage and then the image-to-video stage, which reads the motion.
+The concepts of ``PRETRAIN_EXCLUDE`` are held out, as for the world's text-to-video generator, so that
+finetuning and RL have something to teach. Both text encoders train jointly with the transformer, by the
+same loss (a frozen random encoder gives the generator almost nothing to follow; DESIGN.md, "Facts
+measured"). EMA weights are what is saved.
+
+Every ``--eval-every`` steps the EMA models sample ``--eval-prompts`` seen-concept prompts through the
+package's own serving path (``GeneratorStage`` with the ``Flux`` adapter, FLUX.1's dynamic-shift scheduler)
+and are scored with synthetic GenEval on what an image shows (shape, colour, background); sample grids are
+written as PNGs next to the log.
+
+    python scripts/train_flux.py --out runs/flux_a --minutes 40
+    python scripts/train_flux.py --init runs/flux_a --out modules/assets --minutes 40   # TIME on 2 CPU cores
+
+Writes ``<out>/flux``, ``<out>/clip``, ``<out>/t5`` (``save_pretrained``, safetensors).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
+from posttrain.modules import vae as vae_codec
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.generators import Flux, GeneratorStage, VideoSize, clip_pooled_embeds, t5_embeds
+from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.media import write_media
+from posttrain.modules.presets import PRESETS, build_tokenizer
+from posttrain.modules.samplers import FlowMatchSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_flux_vae import image_geneval  # noqa: E402  (GenEval of what one frame shows)
+
+FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                      max_image_seq_len=4096)
+
+
+@torch.no_grad()
+def encoded_images(vae: AutoencoderKL, num: int, size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """(N, 16, 1, h, w) normalized latents of the first frames of ``num`` world videos and their captions."""
+    data = ShapesDataset(num, 1, size, size, seed=seed, exclude=PRETRAIN_EXCLUDE)
+    latents, prompts = [], []
+    for i in range(0, num, 64):
+        items = [data[j] for j in range(i, min(i + 64, num))]
+        latents.append(vae_codec.encode(vae, torch.stack([it["video"] for it in items])))
+        prompts += [it["prompt"] for it in items]
+    return torch.cat(latents), prompts
+
+
+@torch.no_grad()
+def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    for e, p in zip(ema.parameters(), model.parameters()):
+        e.lerp_(p, 1 - decay)
+
+
+def serving_card(vae_path: str, text_max_length: int) -> ModelCard:
+    """A card of the stage as a method builds it (the transformer and encoders get the EMA weights)."""
+    card = ModelCard({"text_encoder": Expert(arch="clip", preset=PRESETS["clip"]),
+                      "text_encoder_2": Expert(arch="t5", preset=PRESETS["t5"]),
+                      "vae": Expert(arch="vae_kl", pretrained=vae_path),
+                      "transformer": Expert(arch="flux", preset=PRESETS["flux"])}, text_max_length=text_max_length)
+    card.build()
+    return card
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vae", default="modules/assets/vae_kl")
+    parser.add_argument("--images", type=int, default=4096, help="pretraining images (encoded once)")
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--minutes", type=float, default=40.0, help="stop after this much wall time")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--ema", type=float, default=0.995)
+    parser.add_argument("--caption-dropout", type=float, default=0.1)
+    parser.add_argument("--text-max-length", type=int, default=64)
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--eval-prompts", type=int, default=64)
+    parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale of the evaluation samples")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--log-dir", default="runs/world_flux")
+    parser.add_argument("--init", default=None, help="continue from a folder this script wrote (its flux, clip, t5)")
+    parser.add_argument("--out", default="modules/assets")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    os.makedirs(args.log_dir, exist_ok=True)
+
+    vae = AutoencoderKL.from_pretrained(args.vae).eval().requires_grad_(False)
+    latents, prompts = encoded_images(vae, args.images, args.size, seed=1)
+    print(f"{len(prompts)} pretraining images, latents {tuple(latents.shape[1:])}", flush=True)
+
+    tokenizer_clip = build_tokenizer(model_max_length=PRESETS["clip"]["max_position_embeddings"])
+    tokenizer_t5 = build_tokenizer()
+    clip = CLIPTextModel(CLIPTextConfig(**PRESETS["clip"])).train()
+    t5 = T5EncoderModel(T5Config(**PRESETS["t5"])).train()
+    transformer = FluxTransformer2DModel(**PRESETS["flux"]).train()
+    models = {"text_encoder": clip, "text_encoder_2": t5, "transformer": transformer}
+    if args.init:  # a later session of the same training (the EMA weights it saved; fresh optimizer state)
+        for name, arch in (("transformer", "flux"), ("text_encoder", "clip"), ("text_encoder_2", "t5")):
+            models[name].load_state_dict(type(models[name]).from_pretrained(os.path.join(args.init, arch)).state_dict())
+        print(f"continuing from {args.init}", flush=True)
+    print(" ".join(f"{k} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M" for k, m in models.items()), flush=True)
+    emas = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in models.items()}
+    params = [p for m in models.values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
+    flux = Flux()
+
+    card = serving_card(args.vae, args.text_max_length)
+    stage = GeneratorStage(card)
+    sampler = FlowMatchSampler(num_steps=20, scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+                               guidance_scale=args.guidance)
+    seen = ShapesDataset(args.eval_prompts, 1, 8, 8, seed=2, exclude=PRETRAIN_EXCLUDE)
+    eval_prompts = [seen[i]["prompt"] for i in range(len(seen))]
+
+    def evaluate(step: int) -> dict:
+        for name, ema in emas.items():  # serve the EMA weights; a new version = a fresh text cache
+            card.models[name].load_state_dict(ema.state_dict())
+            card.versions[name] += 1
+        size = VideoSize(1, args.size, args.size)
+        noise = torch.randn((len(eval_prompts), *stage.latent_shape(size)), generator=torch.Generator().manual_seed(0))
+        cond, uncond = stage.conditioning(eval_prompts, sampler.guidance_scale, size=size)
+        images = stage.decode(stage.sample(sampler, noise, cond, uncond).latents)  # (B, 3, 1, H, W)
+        grid = torch.cat([torch.cat(list(images[r * 8:(r + 1) * 8, :, 0]), dim=-1) for r in range(2)], dim=-2)
+        write_media(os.path.join(args.log_dir, f"samples_{step:06d}.png"), grid[:, None])
+        scores = {"step": step, "minutes": round((time.time() - start) / 60, 1),
+                  **image_geneval(images[:, :, 0], eval_prompts)}
+        print("geneval", json.dumps(scores), flush=True)
+        return scores
+
+    g = torch.Generator().manual_seed(0)
+    start, step, history = time.time(), 0, []
+    while step < args.steps and time.time() - start < args.minutes * 60:
+        step += 1
+        idx = torch.randint(len(prompts), (args.batch_size,), generator=g)
+        x0 = latents[idx]
+        # 1. captions, a share dropped to the empty prompt (the unconditional branch of CFG)
+        drop = (torch.rand(args.batch_size, generator=g) < args.caption_dropout).tolist()
+        batch_prompts = ["" if d else prompts[i] for i, d in zip(idx.tolist(), drop)]
+        cond = {"pooled_projections": clip_pooled_embeds(tokenizer_clip, clip, batch_prompts),
+                "encoder_hidden_states": t5_embeds(tokenizer_t5, t5, batch_prompts, args.text_max_length)}
+        # 2. x_σ = (1-σ)·x0 + σ·ε at logit-normal σ; v_θ regressed onto ε - x0 through all three models
+        sigma = sample_sigmas(args.batch_size, "logit_normal", g)
+        noise = torch.randn(x0.shape, generator=g)
+        v = flux.velocity(transformer, noised(x0, noise, sigma), sampler.timestep_of(sigma), cond)
+        loss = flow_matching_loss(v, x0, noise)[0].mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        for name, model in models.items():
+            ema_update(emas[name], model, args.ema)
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
+        if step % args.eval_every == 0:
+            history.append(evaluate(step))
+    if not history or history[-1]["step"] != step:
+        history.append(evaluate(step))
+
+    for name, arch in (("transformer", "flux"), ("text_encoder", "clip"), ("text_encoder_2", "t5")):
+        emas[name].save_pretrained(os.path.join(args.out, arch), safe_serialization=True)
+    print(f"saved {args.out}/flux, clip, t5 after {step} steps, {(time.time() - start) / 60:.1f} min; "
+          f"last check {json.dumps(history[-1])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Every method on the new generators: FLUX text-to-image and Wan image-to-video, through the one sampler.
+
+Learning is asserted against a control: an I2V finetune makes the generated first frame match the
+conditioning image (PSNR, torchmetrics) far better than the untrained generator; Flow-GRPO on FLUX raises
+its reward where a constant reward changes nothing. Bad input stops with the option and the fix.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torchmetrics.functional.image import peak_signal_noise_ratio
+
+from posttrain.datamodules.prompts import Prompts
+from posttrain.datamodules.synthetic import ShapesDataset, SyntheticVideos
+from posttrain.lit.base import RunArgs
+from posttrain.lit.diffusion_nft import DiffusionNFT
+from posttrain.lit.finetune import Finetune
+from posttrain.lit.flow_grpo import FlowGRPO
+from posttrain.lit.joint_rl import JointRL
+from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.rewards import ColourAlignment, ConstantReward, MotionAlignment, score
+from posttrain.modules.samplers import FlowMatchSampler
+from tests.conftest import adamw, flux_card, i2v_card
+from tests.helpers import quick_trainer
+
+PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
+# a small random I2V, quick to finetune; patch 1 so that a 32 px frame is more than a few tokens
+TINY_WAN = dict(num_attention_heads=2, ffn_dim=128, num_layers=2, patch_size=(1, 1, 1))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def held_out(n: int, size: RunArgs) -> tuple[torch.Tensor, list[str]]:
+    """First frames and captions of ``n`` synthetic videos the finetune never sees (another seed)."""
+    data = ShapesDataset(n, size.frames, size.height, size.width, seed=99)
+    return torch.stack([data[i]["video"][:, 0] for i in range(n)]), [data[i]["prompt"] for i in range(n)]
+
+
+def first_frame_psnr(module: Finetune, images: torch.Tensor, prompts: list[str]) -> float:
+    videos = module.generate(prompts, seed=0, images=images)
+    return float(peak_signal_noise_ratio((videos[:, :, 0] + 1) / 2, (images + 1) / 2, data_range=1.0))
+
+
+def test_i2v_finetune_makes_the_first_frame_the_image():
+    """120 finetune iterations of a random Wan I2V on synthetic videos, each conditioned on its own first
+    frame: the generated first frame matches the conditioning image (PSNR on 8 unseen images) far better
+    than the untrained control's, and better than a frame of the image's mean colour (so it copies the
+    shape, not only the colours). Measured: 6.5 dB -> 15.3 dB, mean colour 12.9 dB, the VAE's own
+    reconstructions 17.4 dB (main's tiny 8x VAE at 32 px)."""
+    torch.manual_seed(0)
+    size = RunArgs(frames=5, height=32, width=32)
+    card = i2v_card(lr=3e-3)
+    card.specs["transformer"].preset = dict(TINY_WAN)
+    module = Finetune(card, sampler=FlowMatchSampler(num_steps=8), caption_dropout=0.0, run=size)
+    module.configure_model()
+    images, prompts = held_out(8, size)
+    control = first_frame_psnr(module, images, prompts)
+    quick_trainer(120).fit(module, SyntheticVideos(num_samples=256, batch_size=4, frames=5, height=32, width=32))
+    module.eval()
+    trained = first_frame_psnr(module, images, prompts)
+    flat = images.mean(dim=(2, 3), keepdim=True).expand_as(images)
+    mean_colour = float(peak_signal_noise_ratio((flat + 1) / 2, (images + 1) / 2, data_range=1.0))
+    print(f"I2V first frame vs conditioning image: PSNR {control:.2f} dB (untrained) -> {trained:.2f} dB "
+          f"(mean colour {mean_colour:.2f} dB)")
+    assert trained > control + 6.0, (control, trained)
+    assert trained > mean_colour + 1.0, (mean_colour, trained)
+
+
+def test_flux_flow_grpo_raises_its_reward_against_a_constant_reward():
+    """Flow-GRPO on FLUX (images, FLUX's mu-shifted σ grid): the colour reward of fixed-seed ODE samples
+    rises; with a constant reward (zero advantage) the same run leaves the weights bitwise unchanged."""
+    from tests.test_export_generators import flux_scheduler
+
+    def make(reward):
+        # a random FLUX of the world's size (a preset key set: not the trained asset)
+        return FlowGRPO(flux_card(lr=1e-3, transformer_preset={"num_layers": 2}),
+                        sampler=FlowMatchSampler(num_steps=8, scheduler=flux_scheduler()),
+                        reward=reward, num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004,
+                        run=RunArgs(frames=1, height=32, width=32))
+
+    def eval_reward(model) -> float:
+        model.eval()
+        return score(ColourAlignment(), model.generate(PROMPTS, seed=123), PROMPTS).total.mean().item()
+
+    torch.manual_seed(0)
+    model = make(ColourAlignment())
+    model.configure_model()
+    before = eval_reward(model)
+    quick_trainer(30).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    after = eval_reward(model)
+
+    control = make(ConstantReward(0.5))
+    control.configure_model()
+    weights0 = {k: v.clone() for k, v in control.card["transformer"].state_dict().items()}
+    quick_trainer(3).fit(control, Prompts(prompts=PROMPTS, batch_size=2))
+    print(f"flow_grpo on FLUX: colour reward {before:.4f} -> {after:.4f}")
+    assert after > before + 1e-2, (before, after)
+    assert all(torch.equal(weights0[k], v) for k, v in control.card["transformer"].state_dict().items())
+    assert model.card.versions["transformer"] == 30 and control.card.versions["transformer"] == 0
+
+
+@pytest.mark.parametrize("method", ["finetune", "diffusion_nft", "joint_rl"])
+def test_every_method_runs_on_flux(method):
+    """One iteration of each remaining method on the FLUX card (the stage/adapter carries everything)."""
+    run = RunArgs(frames=1, height=32, width=32)
+    sampler = FlowMatchSampler(num_steps=2)
+    if method == "finetune":
+        module = Finetune(flux_card(), sampler=sampler, run=run)
+        data = SyntheticVideos(num_samples=4, batch_size=2, frames=1, height=32, width=32)
+    elif method == "diffusion_nft":
+        module = DiffusionNFT(flux_card(), sampler=sampler, run=run)
+        data = Prompts(prompts=PROMPTS, batch_size=2)
+    else:
+        module = JointRL(flux_card(num_refiners=1, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-3))),
+                         sampler=sampler, num_samples_per_prompt=2, max_new_tokens=2, run=run)
+        data = Prompts(prompts=PROMPTS, batch_size=2)
+    quick_trainer(1).fit(module, data)
+    assert module.trainer.global_step == 1
+
+
+def test_flow_grpo_on_i2v_reads_first_frames_from_the_batch():
+    module = FlowGRPO(i2v_card(), sampler=FlowMatchSampler(num_steps=2), num_samples_per_prompt=2,
+                      reward=MotionAlignment(), run=RunArgs(frames=5, height=16, width=16))
+    quick_trainer(1).fit(module, SyntheticVideos(num_samples=4, batch_size=2, frames=5, height=16, width=16))
+    assert module.trainer.global_step == 1
+    with pytest.raises(ValueError, match=r"WanI2V \('transformer'\) generates from a first frame, but the batch holds "
+                                         r"only \['prompt', 'seed'\]: use a datamodule whose batches carry `image`"):
+        quick_trainer(1).fit(module, Prompts(prompts=PROMPTS, batch_size=2))
+
+
+def test_motion_alignment_reads_the_synthetic_motion():
+    """On rendered videos: about +1 for the prompt's own direction, -1 for the opposite (a shape cut by the
+    frame's edge moves its centroid less)."""
+    data = ShapesDataset(12, 5, 32, 32, seed=0)
+    videos = torch.stack([data[i]["video"] for i in range(12)])
+    prompts = [data[i]["prompt"] for i in range(12)]
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    flipped = [" ".join(opposite.get(w, w) for w in p.split()) for p in prompts]
+    reward = MotionAlignment()
+    assert reward(videos, prompts).total.min() > 0.75 and reward(videos, prompts).total.mean() > 0.9
+    assert reward(videos, flipped).total.max() < -0.75
+    assert reward(videos[:, :, :1], prompts).total.abs().max() == 0  # one frame: no motion to read
+
+
+def test_bad_generator_input_is_a_clear_error():
+    experts = {"text_encoder": Expert(arch="clip"), "vae": Expert(arch="vae_kl"),
+               "transformer": Expert(arch="flux", trainable=True, optimizer=adamw())}
+    with pytest.raises(ValueError, match=r"the card has no 'text_encoder_2': Flux \('transformer'\) reads it as its "
+                                         r"text_encoder_2; add `text_encoder_2: \{arch: t5\}` to card.experts"):
+        Finetune(ModelCard(experts))
+    swapped = {**experts, "text_encoder": Expert(arch="t5"), "text_encoder_2": Expert(arch="clip")}
+    with pytest.raises(ValueError, match=r"reads a CLIP text encoder \(pooled\) then a T5 encoder"):
+        Finetune(ModelCard(swapped))
+    flux = Finetune(flux_card(), run=RunArgs(frames=5, height=32, width=32))
+    with pytest.raises(ValueError, match="frames=5, but FLUX makes images: set frames: 1"):
+        flux.configure_model()
+    i2v = Finetune(i2v_card(), run=RunArgs(frames=5, height=16, width=16))
+    i2v.configure_model()
+    with pytest.raises(ValueError, match=r"WanI2V \('transformer'\) generates from a first frame: give it images"):
+        i2v.generate(PROMPTS)
+    with pytest.raises(ValueError, match=r"conditioning images are 32x32 px but the video is 16x16"):
+        i2v.generate(PROMPTS, images=torch.zeros(2, 3, 32, 32))

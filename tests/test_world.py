@@ -1,0 +1,108 @@
+"""The shipped pretrained world: its generator follows the prompt on the concepts it saw, not on the one
+held out, and its samples are closer to the data than an untrained generator's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
+from posttrain.modules import presets
+from posttrain.modules.evaluation import evaluate_generator, generate
+from posttrain.modules.frechet import VAEFrameFeatures, VideoFrechetDistance
+from posttrain.modules.geneval import chance
+
+FRAMES, SIZE = 5, 32
+
+
+def prompts(n: int, seed: int, **kwargs) -> list[str]:
+    dataset = ShapesDataset(n, 1, 8, 8, seed=seed, **kwargs)
+    return [dataset[i]["prompt"] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    """The shipped assets, loaded as ``build_model`` loads a preset without overrides."""
+    for arch in ("wan_vae", "umt5", "wan_t2v"):
+        assert presets.build_model(arch).config is not None
+    return {
+        "transformer": presets.build_model("wan_t2v").eval(),
+        "text_encoder": presets.build_model("umt5").eval(),
+        "tokenizer": presets.build_tokenizer(),
+        "vae": presets.build_model("wan_vae").eval(),
+    }
+
+
+def geneval(world: dict, eval_prompts: list[str], transformer=None) -> dict[str, float]:
+    scores = evaluate_generator(transformer or world["transformer"], world["text_encoder"], world["tokenizer"],
+                                world["vae"], eval_prompts, frames=FRAMES, height=SIZE, width=SIZE)
+    return {k: float(v) for k, v in scores.items()}
+
+
+def test_presets_without_overrides_load_the_shipped_assets():
+    """A preset without overrides is the trained asset (from_pretrained); with overrides, random weights."""
+    shipped = presets.build_model("wan_t2v")
+    again = presets.build_model("wan_t2v")
+    random_ = presets.build_model("wan_t2v", preset={"num_layers": 4})
+    p_shipped, p_again, p_random = (next(m.parameters()) for m in (shipped, again, random_))
+    assert torch.equal(p_shipped, p_again)
+    assert not torch.equal(p_shipped, p_random)
+    assert presets.build_model("umt5").config.d_model == shipped.config.text_dim
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9's target, not reached yet: the shipped generator (40 min of "
+                   "scripts/train_world.py) reads back shape 0.25, colour 0.25, background 0.52, motion 0.20, "
+                   "all 0.016 here; a generator that passes makes this fail (strict) so that the marker is removed")
+def test_pretrained_generator_follows_seen_prompts(world, one_thread):
+    """ODE samples (the configs' sampler: 20 Euler steps, shift 3, no CFG) of 64 prompts of the concepts
+    it was pretrained on read back far above chance (shape 1/3, colours 1/6, motion 1/4): each fact
+    >= 0.8 and all four >= 0.5 (the issue's targets, leaving RL room to climb)."""
+    scores = geneval(world, prompts(64, seed=21, exclude=PRETRAIN_EXCLUDE))
+    for fact in ("shape", "colour", "background", "motion"):
+        assert scores[fact] >= 0.8, scores
+    assert scores["all"] >= 0.5, scores
+
+
+def test_held_out_concept_is_not_known(world, one_thread):
+    """Prompts with the held-out colour (magenta, as the shape or the background): the generator never
+    saw it, so the facts naming it read back near 0 (below the 1/6 of a random colour: it draws one of
+    the colours it knows), and all four together are rare; finetuning on data teaches it."""
+    shape_magenta = prompts(24, seed=22, include=["colour:magenta"])
+    background_magenta = prompts(24, seed=23, include=["background:magenta"])
+    assert geneval(world, shape_magenta)["colour"] <= chance("colour")
+    assert geneval(world, background_magenta)["background"] <= chance("background")
+    assert geneval(world, shape_magenta + background_magenta)["all"] <= 0.1
+
+
+def test_frechet_distance_ranks_the_pretrained_generator_closer_to_data(world, one_thread):
+    """The data's frames against samples of the same prompts: the pretrained generator's are closer
+    than an untrained generator's (same architecture, random weights)."""
+    eval_prompts = prompts(32, seed=24, exclude=PRETRAIN_EXCLUDE)
+    data = ShapesDataset(32, FRAMES, SIZE, SIZE, seed=24, exclude=PRETRAIN_EXCLUDE)
+    real = torch.stack([data[i]["video"] for i in range(32)])
+    untrained = presets.build_model("wan_t2v", preset=dict(presets.PRESETS["wan_t2v"])).eval()
+    fd = VideoFrechetDistance(VAEFrameFeatures(world["vae"]), reset_real_features=False)
+    fd.update(real, real=True)
+    distances = {}
+    for name, transformer in {"pretrained": world["transformer"], "untrained": untrained}.items():
+        fd.reset()
+        for i in range(0, 32, 16):
+            fd.update(generate(transformer, world["text_encoder"], world["tokenizer"], world["vae"],
+                               eval_prompts[i:i + 16], seed=i, frames=FRAMES, height=SIZE, width=SIZE), real=False)
+        distances[name] = float(fd.compute())
+    assert distances["pretrained"] < 0.5 * distances["untrained"], distances
+
+
+def test_held_out_concepts_filter_the_data():
+    """exclude drops every sample showing a value, include keeps those showing one, fact:word names a
+    role; unfiltered data is what it always was; an unknown word is refused with the vocabulary."""
+    plain = ShapesDataset(50, 1, 8, 8, seed=0)
+    held = ShapesDataset(50, 1, 8, 8, seed=0, exclude=["magenta"])
+    only = ShapesDataset(50, 1, 8, 8, seed=0, include=["colour:magenta"])
+    assert not any("magenta" in held[i]["prompt"] for i in range(50))
+    assert all(only[i]["prompt"].startswith("a magenta ") for i in range(50))
+    kept = [i for i in range(50) if "magenta" not in plain[i]["prompt"]]
+    assert kept and all(held[i]["prompt"] == plain[i]["prompt"] for i in kept)  # accepted draws unchanged
+    with pytest.raises(ValueError, match=r"exclude: 'colour:mauve': 'mauve' is not a value of colour"):
+        ShapesDataset(1, 1, 8, 8, exclude=["colour:mauve"])
+    with pytest.raises(ValueError, match="no sample can pass"):
+        ShapesDataset(1, 1, 8, 8, exclude=["red"], include=["red"])
