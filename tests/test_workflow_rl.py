@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from posttrain.callbacks.checkpoints import ModelCheckpoint
-
 from posttrain.callbacks.parity import C2Check
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit import checkpoints
