@@ -8,9 +8,10 @@ downloaded at run time.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
@@ -191,7 +192,8 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
                 f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
             ) from err
     if loads_weights(arch, None, preset):
-        model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
+        with _no_progress_bar():  # a shipped tiny asset loads in milliseconds; transformers would draw a bar
+            model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
         return cast(model, dtype)
     config = {**PRESETS[arch], **(preset or {})}
     if arch in _DIFFUSERS:
@@ -200,6 +202,19 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
         cls, config_cls = _TRANSFORMERS[arch]
         model = cls(config_cls(**config))
     return cast(model, dtype)
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def cast(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
