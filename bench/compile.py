@@ -1,7 +1,7 @@
 """``torch.compile`` as an expert option (``compile: true``): the speed-up of one finetune training step.
 
-The same tiny Wan transformer (the default config's preset, or ``--preset-layers N`` layers at the width of
-a larger preset) is stepped eagerly and compiled (``nn.Module.compile``: what the expert option does), with
+The same Wan transformer (the world's ``wan_t2v`` preset cut to 2 layers, random weights) is stepped eagerly and
+compiled (``nn.Module.compile``: what the expert option does), with
 the same data, loss and AdamW, in alternating blocks (bench/timing.py). Compilation happens in the warm-up
 and is not timed; its one-off cost is printed.
 
