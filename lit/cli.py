@@ -59,6 +59,16 @@ class PosttrainCLI(LightningCLI):
             args=args, **kwargs,
         )
 
+    def parse_arguments(self, parser, args) -> None:
+        if args is None:
+            return super().parse_arguments(parser, args)
+        saved = sys.argv  # given `args`, the process's own argv (e.g. pytest's) is not the command line
+        sys.argv = saved[:1]
+        try:
+            super().parse_arguments(parser, args)
+        finally:
+            sys.argv = saved
+
     def before_fit(self) -> None:
         trainer = self.trainer
         if trainer.max_steps == 0 or trainer.max_epochs == 0:
@@ -290,8 +300,14 @@ def main(args: Optional[list[str]] = None) -> None:
 
             print(estimate(**estimate_parser().parse_args(argv[1:]).as_dict()))
             return
-        # LightningCLI reads sys.argv itself when `args` is None (passing both makes it warn)
-        PosttrainCLI(args=None if args is None else argv, exit_on_error=False)
+        # LightningCLI reads sys.argv itself (given both it warns); Lightning's launcher re-runs sys.argv for the other
+        # processes. A call with `args` therefore runs as if they were the command line.
+        saved = sys.argv
+        sys.argv = [saved[0], *argv]
+        try:
+            PosttrainCLI(args=None, exit_on_error=False)
+        finally:
+            sys.argv = saved
     except SystemExit:
         raise
     except KeyboardInterrupt:

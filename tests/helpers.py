@@ -38,6 +38,16 @@ class TwoExperts(ExpertModule):
             self.step_experts(loss, [name])
             self.log(f"train/loss/{name}", loss)
 
+    @torch.no_grad()
+    def validation_step(self, batch, batch_idx):
+        x0 = self.stage.encode(batch["video"])
+        cond = self.stage.condition(list(batch["prompt"]))
+        sigma = torch.full((x0.shape[0],), 0.5)
+        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(batch_idx))
+        with self.stage.velocity("transformer") as velocity:
+            v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
+        self.log("val/loss", flow_matching_loss(v, x0, noise)[0].mean(), batch_size=x0.shape[0])
+
 
 class KillAt(Callback):
     """SIGKILL this process at the end of iteration ``iteration`` (a real crash, no clean-up)."""

@@ -67,7 +67,7 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
 def fit(config_path: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
-               WANDB_MODE="offline", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+               WANDB_MODE="offline", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

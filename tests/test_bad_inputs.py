@@ -162,7 +162,7 @@ def test_a_reward_that_returns_nan_is_named(world, capsys):
     cfg["model"]["init_args"]["reward"] = {"class_path": "tests.helpers.NaNReward"}
     with open(config, "w") as f:
         yaml.safe_dump(cfg, f)
-    args = ["fit", "--config", config, *small(G, world["run"])[2:]]
+    args = ["fit", "--config", config, *small(G, os.path.join(os.path.dirname(world["files"]), "nan_run"))[2:]]
     with pytest.raises(SystemExit):
         main(args)
     message = capsys.readouterr().err

@@ -193,7 +193,7 @@ def test_fused_sync_plan_equals_per_tensor_lerp(decay):
 
 # ---------------------------------------------------------------------- the benches run
 def run_bench(*args: str, timeout: int = 600) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
     result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -102,7 +102,8 @@ def test_nan_loss_skips_the_step_then_stops(tmp_path):
             snapshots[trainer.global_step] = {k: v.clone() for k, v in card["transformer"].state_dict().items()}
 
     trainer = quick_trainer(max_steps=10, callbacks=[Snapshot()])
-    with pytest.raises(NonFiniteLossError, match=r"not finite for 2 iterations in a row \(run.max_nan_steps=2\)"):
+    with pytest.raises(NonFiniteLossError, match=r"not finite for 2 iterations in a row \(run.max_nan_steps=2\)"), \
+            pytest.warns(UserWarning, match=r"loss of \['transformer'\] is nan; step skipped"):
         trainer.fit(module, SyntheticVideos(num_samples=32, batch_size=2))
     final = card["transformer"].state_dict()
     assert all(torch.isfinite(v).all() for v in final.values())

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
+from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert
