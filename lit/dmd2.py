@@ -41,15 +41,18 @@ class DMD2(ExpertModule):
         run: size of generated videos, seed, NaN tolerance.
     """
 
+    method = "dmd2"  # the name start-up problems are reported under
+
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  teacher_sampler: Optional[FlowMatchSampler] = None, generator_update_ratio: int = 5,
                  guidance_scale: float = 4.5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
-        problems = self.card_problems("dmd2", trains=("transformer",))
+        problems = self.card_problems(self.method, trains=("transformer",))
         problems += distillation_problems(self, generator_update_ratio, sigma_range)
+        problems += self.student_problems(card)
         if problems:
-            raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
+            raise ValueError(f"{self.method}:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=guidance_scale)
         self.generator_update_ratio = generator_update_ratio
         self.guidance_scale = guidance_scale
@@ -109,6 +112,10 @@ class DMD2(ExpertModule):
         log_teacher_gap(self, list(batch["prompt"]), batch_idx)
 
     # ------------------------------------------------------------------ helpers
+    def student_problems(self, card: ModelCard) -> list[str]:
+        """Start-up problems of the student beyond the card's (a subclass's rollout may need more)."""
+        return []
+
     def score_sigmas(self, batch_size: int) -> torch.Tensor:
         """(B,) σ ~ U[sigma_range], flow-shifted: where the scores are compared and the critic trains."""
         low, high = self.sigma_range
