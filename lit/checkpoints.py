@@ -84,9 +84,10 @@ def allowed_globals() -> list:
 
 @contextlib.contextmanager
 def restricted_unpickling(where: str = "") -> Iterator[None]:
-    """Every ``torch.load`` inside runs with ``weights_only=True`` and the allow-list, also the ones DeepSpeed
-    makes with ``weights_only=False`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the argument). A refused
-    file becomes a ``CheckpointError`` naming ``where``."""
+    """Every ``torch.load`` inside runs weights-only with the allow-list — also DeepSpeed's shard loader, which
+    asks for full unpickling: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` makes torch ignore that request, so nothing in
+    a checkpoint can run code (tests/test_checkpoints.py loads a live payload through it). A refused file becomes
+    a ``CheckpointError`` naming ``where``."""
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
