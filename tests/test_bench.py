@@ -214,8 +214,13 @@ def test_rollout_bench_runs():
 
 
 def test_memory_bench_runs():
+    import socket
+
+    with socket.socket() as s:  # a free port, not a fixed one another job on the machine may hold
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     out = run_bench("bench/memory.py", "--layers", "1", "--heads", "2", "--head_dim", "32", "--blocks", "2",
-                    "--steps", "1", "--port", "29561")
+                    "--steps", "1", "--port", str(port))
     assert "memory ratio ZeRO-3 / DDP" in out and "step time ZeRO-3/DDP" in out
 
 
