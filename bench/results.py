@@ -1,5 +1,8 @@
 """The README's "Measured results of the default configs": each config validated before training (its
-initial weights) and after ``posttrain fit`` (its last checkpoint), through the real command.
+initial weights) and after ``posttrain fit`` (its last checkpoint), through the real command, with
+``configs/eval/geneval.yaml`` added to both validations (``val/eval/...``): synthetic GenEval of 64
+seen-concept captions (per fact and all four together), a Fréchet VAE distance of those samples to the
+data, and GenEval of 32 captions of the held-out concept (magenta).
 
     python bench/results.py                      # every default config (a few minutes on 2 CPU cores)
     python bench/results.py finetune flow_grpo   # some of them
@@ -47,16 +50,32 @@ def main() -> None:
         for name in names:
             config = os.path.join(ROOT, "configs", f"{name}.yaml")
             run = ["--config", config, f"--trainer.default_root_dir={os.path.join(tmp, name)}"]
-            before = metric(posttrain("validate", *run), METRICS[name])
+            evaluate = ["--config", os.path.join(ROOT, "configs", "eval", "geneval.yaml")]
+            before = scores(posttrain("validate", *run, *evaluate), METRICS[name])
             start = time.time()
             posttrain("fit", *run)
             seconds = time.time() - start
-            after = metric(posttrain("validate", *run, "--ckpt_path", "last"), METRICS[name])
-            rows.append((name, METRICS[name], before, after, seconds))
-            print(f"{name:14s} {METRICS[name]:10s} {before:.3f} -> {after:.3f}  (fit {seconds:.0f} s)", flush=True)
-    print("\n| config | metric | before | after | fit time |\n|---|---|---|---|---|")
-    for name, key, before, after, seconds in rows:
-        print(f"| `configs/{name}.yaml` | `{key}` | {before:.3f} | {after:.3f} | {seconds:.0f} s |")
+            after = scores(posttrain("validate", *run, *evaluate, "--ckpt_path", "last"), METRICS[name])
+            rows.append((name, before, after, seconds))
+            print(f"{name:14s} {METRICS[name]:10s} {before['own']:.3f} -> {after['own']:.3f}  GenEval all "
+                  f"{before['eval/seen/all']:.3f} -> {after['eval/seen/all']:.3f}  held-out all "
+                  f"{before['eval/held_out/all']:.3f} -> {after['eval/held_out/all']:.3f}  (fit {seconds:.0f} s)",
+                  flush=True)
+    print("\n| config | own metric | GenEval all (seen) | shape | colour | background | motion | held-out concept all "
+          "| held-out colour | Fréchet VAE dist. | fit time |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    arrow = lambda b, a, key: f"{b[key]:.3f} → {a[key]:.3f}"
+    for name, b, a, seconds in rows:
+        print(f"| `configs/{name}.yaml` | `{METRICS[name]}` {arrow(b, a, 'own')} | {arrow(b, a, 'eval/seen/all')} | "
+              + " | ".join(arrow(b, a, f"eval/seen/{fact}") for fact in ("shape", "colour", "background", "motion"))
+              + f" | {arrow(b, a, 'eval/held_out/all')} | {arrow(b, a, 'eval/held_out/colour')} | "
+              f"{arrow(b, a, 'eval/seen/frechet')} | {seconds:.0f} s |")
+
+
+def scores(output: str, own: str) -> dict[str, float]:
+    """The config's own metric and the evaluation's, from one ``validate`` output."""
+    keys = [f"eval/seen/{k}" for k in ("all", "shape", "colour", "background", "motion", "frechet")] + \
+        ["eval/held_out/all", "eval/held_out/colour"]
+    return {"own": metric(output, own), **{key: metric(output, f"val/{key}") for key in keys}}
 
 
 if __name__ == "__main__":

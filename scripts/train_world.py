@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (on a shared machine more spin)")
     parser.add_argument("--cache", default="runs/world/latents.safetensors")
     parser.add_argument("--out", default="modules/assets")
+    parser.add_argument("--init", metavar="FOLDER", help="start from the umt5 and wan_t2v in FOLDER (e.g. "
+                        "modules/assets, to continue a run) instead of a random initialization")
     parser.add_argument("--evaluate", metavar="FOLDER", help="train nothing: print the evaluation of the umt5 "
                         "and wan_t2v in FOLDER (e.g. modules/assets) on the eval prompts, and stop")
     args = parser.parse_args()
@@ -124,8 +126,12 @@ def main() -> None:
     print(f"{len(prompts)} pretraining videos, latents {tuple(latents.shape[1:])}", flush=True)
 
     tokenizer = ByT5Tokenizer()
-    encoder = UMT5EncoderModel(UMT5Config(**PRESETS["umt5"])).train()
-    transformer = WanTransformer3DModel(**PRESETS["wan_t2v"]).train()
+    if args.init:
+        encoder = build_model("umt5", pretrained=os.path.join(args.init, "umt5")).train()
+        transformer = build_model("wan_t2v", pretrained=os.path.join(args.init, "wan_t2v")).train()
+    else:
+        encoder = UMT5EncoderModel(UMT5Config(**PRESETS["umt5"])).train()
+        transformer = WanTransformer3DModel(**PRESETS["wan_t2v"]).train()
     print(f"UMT5 {sum(p.numel() for p in encoder.parameters()) / 1e6:.3f}M, Wan "
           f"{sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M parameters", flush=True)
     encoder_ema, transformer_ema = copy.deepcopy(encoder).eval(), copy.deepcopy(transformer).eval()

@@ -1,0 +1,99 @@
+"""The Evaluate callback: what it logs comes from the samples it pairs with the prompts it names."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from posttrain.callbacks.evaluation import Evaluate, still_caption
+from posttrain.datamodules.synthetic import ShapesDataset
+from posttrain.lit.cli import main
+from posttrain.modules.generators import VideoSize
+from posttrain.modules.world import parse_caption
+
+
+class Oracle(LightningModule):
+    """A generator that draws exactly what it is asked (the rendered data of the same caption), or, with
+    ``rotate``, what the next prompt of the batch asks: the callback must score the first perfectly."""
+
+    def __init__(self, rotate: bool = False):
+        super().__init__()
+        self.video = VideoSize(5, 32, 32)
+        self.rotate = rotate
+        self.layer = torch.nn.Linear(1, 1)
+        self.lookup = {}
+
+    def generate(self, prompts, seed=0):
+        videos = torch.stack([self.lookup[p] for p in prompts])
+        return videos.roll(1, 0) if self.rotate else videos
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader([0])
+
+
+def validate(module, callback, tmp_path):
+    data = ShapesDataset(callback.num_prompts, 5, 32, 32, seed=callback.seed)
+    module.lookup = {data[i]["prompt"]: data[i]["video"] for i in range(len(data))}
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), callbacks=[callback])
+    return trainer.validate(module, verbose=False)[0]
+
+
+def test_oracle_samples_score_perfect_and_mismatched_ones_do_not(tmp_path):
+    make = lambda: Evaluate(metrics=["geneval", "frechet"], num_prompts=16, batch_size=4, table=False)
+    right = validate(Oracle(), make(), tmp_path)
+    wrong = validate(Oracle(rotate=True), make(), tmp_path)
+    for fact in ("shape", "colour", "background", "motion", "all"):
+        assert right[f"val/geneval/{fact}"] >= 0.95, right
+    assert wrong["val/geneval/all"] <= 0.2, wrong
+    # the same frames in another order: same feature statistics, so the Fréchet distance cannot tell
+    # (it compares sets), while GenEval (which pairs each sample with its prompt) can
+    assert right["val/geneval/frechet"] == pytest.approx(0.0, abs=1e-2)
+    assert wrong["val/geneval/frechet"] == pytest.approx(0.0, abs=1e-2)
+
+
+def test_a_still_generator_is_asked_without_motion():
+    assert still_caption("a red circle moving left on a blue background") == "a red circle on a blue background"
+    assert parse_caption(still_caption("a red circle moving left on a blue background")).motion is None
+
+
+def test_bad_arguments_fail_at_start_up():
+    with pytest.raises(ValueError, match="choose from"):
+        Evaluate(metrics=["fid"])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Evaluate(num_prompts=0)
+    with pytest.raises(ValueError, match="include"):
+        Evaluate(include=["colour:mauve"])
+
+
+def test_validate_of_the_default_finetune_logs_geneval_per_fact_and_a_wandb_table(tmp_path, capsys):
+    extra = tmp_path / "evaluate.yaml"
+    extra.write_text("trainer:\n  callbacks+:\n    - class_path: Evaluate\n"
+                     "      init_args: {name: held_out, include: [magenta], num_prompts: 4, batch_size: 2}\n")
+    main(["validate", "--config", "configs/finetune.yaml", "--config", str(extra),
+          "--trainer.default_root_dir", str(tmp_path), "--data.init_args.val_samples", "2"])
+    media = tmp_path / "wandb" / "offline-run-*" / "files" / "media"
+    tables = glob.glob(str(media / "table" / "val" / "held_out" / "*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(open(tables[0]).read())
+    assert table["columns"] == ["prompt", "sample", "shape", "colour", "background", "motion"]
+    assert len(table["data"]) == 4 and all("magenta" in row[0] for row in table["data"])
+    printed = capsys.readouterr().out  # validate's results table
+    for fact in ("shape", "colour", "background", "motion", "all"):
+        value = re.search(rf"val/held_out/{fact}\s*[│|]\s*([0-9.]+)", printed)
+        assert value is not None and 0.0 <= float(value.group(1)) <= 1.0, printed
+
+
+def test_two_evaluations_of_one_name_are_refused(tmp_path):
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), callbacks=[Evaluate(num_prompts=2), Evaluate(num_prompts=4)])
+    with pytest.raises(ValueError, match="two Evaluate callbacks are named 'geneval'"):
+        trainer.validate(Oracle(), verbose=False)
