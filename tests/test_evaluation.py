@@ -77,18 +77,18 @@ def test_bad_arguments_fail_at_start_up():
 def test_validate_of_the_default_finetune_logs_geneval_per_fact_and_a_wandb_table(tmp_path, capsys):
     extra = tmp_path / "evaluate.yaml"
     extra.write_text("trainer:\n  callbacks+:\n    - class_path: Evaluate\n"
-                     "      init_args: {name: held_out, include: [magenta], num_prompts: 4, batch_size: 2}\n")
+                     "      init_args: {name: magenta, include: [magenta], num_prompts: 4, batch_size: 2}\n")
     main(["validate", "--config", "configs/finetune.yaml", "--config", str(extra),
           "--trainer.default_root_dir", str(tmp_path), "--data.init_args.val_samples", "2"])
     media = tmp_path / "wandb" / "offline-run-*" / "files" / "media"
-    tables = glob.glob(str(media / "table" / "val" / "held_out" / "*.table.json"))
+    tables = glob.glob(str(media / "table" / "val" / "magenta" / "*.table.json"))
     assert len(tables) == 1
     table = json.loads(open(tables[0]).read())
     assert table["columns"] == ["prompt", "sample", "shape", "colour", "background", "motion"]
     assert len(table["data"]) == 4 and all("magenta" in row[0] for row in table["data"])
     printed = capsys.readouterr().out  # validate's results table
     for fact in ("shape", "colour", "background", "motion", "all"):
-        value = re.search(rf"val/held_out/{fact}\s*[│|]\s*([0-9.]+)", printed)
+        value = re.search(rf"val/magenta/{fact}\s*[│|]\s*([0-9.]+)", printed)
         assert value is not None and 0.0 <= float(value.group(1)) <= 1.0, printed
 
 
