@@ -1,6 +1,8 @@
-"""LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists."""
+"""LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists, rows
+precomputed by ``posttrain preprocess``."""
 from posttrain.datamodules.folder import VideoFolder
+from posttrain.datamodules.precomputed import PrecomputedVideos
 from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import SyntheticVideos
 
-__all__ = ["SyntheticVideos", "VideoFolder", "Prompts"]
+__all__ = ["SyntheticVideos", "VideoFolder", "Prompts", "PrecomputedVideos"]

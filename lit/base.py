@@ -473,6 +473,47 @@ class ExpertModule(LightningModule):
         states = getattr(self, "_rng_between_batches", None)
         if states is not None:
             _set_rng_states(states)
+        self.take_precomputed(batch)
+
+    def on_validation_batch_start(self, batch, batch_idx, dataloader_idx: int = 0) -> None:
+        self.take_precomputed(batch)
+
+    # ------------------------------------------------------------------ rows precomputed by `posttrain preprocess`
+    def on_fit_start(self) -> None:
+        self.check_precomputed()
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":
+            self.check_precomputed()
+
+    def check_precomputed(self) -> None:
+        """Refuse rows of a ``PrecomputedVideos`` datamodule made by other weights, size or text length, and
+        cache its empty-prompt rows (caption dropout, CFG)."""
+        data = getattr(self.trainer, "datamodule", None)
+        manifest = getattr(data, "manifest", None)
+        if manifest is None:
+            return
+        from posttrain.modules.precomputed import mismatches
+
+        digests = {name: self.card.weights_digest(name) for name in manifest["sources"] if self.card.has(name)}
+        video = (self.video.frames, self.video.height, self.video.width)
+        problems = mismatches(manifest, digests, self.card.text_max_length, video)
+        if problems:
+            raise ValueError(f"the precomputed rows in {data.path!r} do not fit this run: {'; '.join(problems)}. "
+                             f"Run `posttrain preprocess --config <this config> --out {data.path} --overwrite true` "
+                             f"again, or train on the original data")
+        for name, rows in data.empty_text_embeds.items():
+            self.card.cache.put(name, self.card.versions[name], [""], rows.to(self._text_dtype(name)))
+
+    def take_precomputed(self, batch) -> None:
+        """A batch's precomputed text rows go into the card's cache, where the conditioning finds them."""
+        rows = batch.get("text_embeds") if isinstance(batch, dict) else None
+        for name, values in (rows or {}).items():
+            self.card.cache.put(name, self.card.versions[name], list(batch["prompt"]),
+                                values.to(self._text_dtype(name)))
+
+    def _text_dtype(self, name: str) -> torch.dtype:
+        return next(self.card[name].parameters()).dtype
 
     def on_validation_epoch_end(self) -> None:
         states = getattr(self, "_rng_between_batches", None)

@@ -1,9 +1,11 @@
-"""The ``posttrain`` command: LightningCLI (``fit``, ``validate``, ``predict``) plus ``export`` and ``estimate``.
+"""The ``posttrain`` command: LightningCLI (``fit``, ``validate``, ``predict``) plus ``export``, ``estimate`` and
+``preprocess``.
 
     posttrain fit --config configs/finetune.yaml
     posttrain fit --config configs/finetune.yaml --ckpt_path last      # resume (same W&B run)
     posttrain predict --config configs/finetune.yaml --ckpt_path last
     posttrain export --ckpt runs/finetune/checkpoints/last.ckpt --out exported/finetune
+    posttrain preprocess --config configs/finetune.yaml --out runs/precomputed   # encode the data once
 
 What this adds to LightningCLI:
 - one run folder: ``trainer.default_root_dir`` is the only setting; the W&B logger's ``save_dir`` and
@@ -37,7 +39,7 @@ from posttrain.callbacks.progress import ExpertSummary, IterationProgressBar
 from posttrain.lit.base import ExpertModule
 
 SUBCOMMANDS = ("fit", "validate", "predict")
-TOOLS = ("export", "estimate")
+TOOLS = ("export", "estimate", "preprocess")
 
 
 class LoggedConfig(SaveConfigCallback):
@@ -84,7 +86,8 @@ class PosttrainCLI(LightningCLI):
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
         # listed in --help; `main` runs them before LightningCLI is built
-        for name, parser_of in (("export", export_parser), ("estimate", estimate_parser)):
+        for name, parser_of in (("export", export_parser), ("estimate", estimate_parser),
+                                ("preprocess", preprocess_parser)):
             tool = parser_of()
             parser._subcommands_action.add_subcommand(name, tool, help=tool.description.splitlines()[0])
 
@@ -206,6 +209,14 @@ def estimate_parser() -> ArgumentParser:
     return parser
 
 
+def preprocess_parser() -> ArgumentParser:
+    from posttrain.lit.preprocess import preprocess
+
+    parser = ArgumentParser(prog="posttrain preprocess", description=preprocess.__doc__, exit_on_error=False)
+    parser.add_function_arguments(preprocess, as_positional=False)
+    return parser
+
+
 # ---------------------------------------------------------------------- errors a user can act on
 NOISE = (
     re.compile(r"^\s*-?\s*Does not validate against any of the Union subtypes\s*$"),
@@ -294,6 +305,11 @@ def main(args: Optional[list[str]] = None) -> None:
             from posttrain.lit.export import export
 
             print(export(**export_parser().parse_args(argv[1:]).as_dict()))
+            return
+        if command == "preprocess":
+            from posttrain.lit.preprocess import preprocess
+
+            print(preprocess(**preprocess_parser().parse_args(argv[1:]).as_dict()))
             return
         if command == "estimate":
             from posttrain.lit.estimate import estimate

@@ -62,6 +62,20 @@ class EmbeddingCache:
             self._store.popitem(last=False)
         return torch.stack(out)
 
+    def put(self, component: str, version: int, texts: list[str], rows: torch.Tensor) -> None:
+        """Store precomputed ``rows`` (one per text) as ``component``'s entries of ``version`` (counted as
+        neither hit nor miss: the lookup that uses them is the hit)."""
+        for text, row in zip(texts, rows):
+            key = (component, version, content_hash(text))
+            self._store[key] = row if self.device is None else row.to(self.device)
+            self._store.move_to_end(key)
+        while len(self._store) > self.max_entries:
+            self._store.popitem(last=False)
+
+    def row(self, component: str, version: int, text: str) -> torch.Tensor:
+        """The cached row of ``text`` (KeyError when it is not cached)."""
+        return self._store[(component, version, content_hash(text))]
+
     def invalidate(self, component: str, keep_version: int | None = None) -> int:
         """Drop ``component``'s entries (those of other versions than ``keep_version``); returns how many."""
         stale = [k for k in self._store if k[0] == component and k[1] != keep_version]

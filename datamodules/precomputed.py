@@ -1,0 +1,67 @@
+"""Training on rows precomputed by ``posttrain preprocess``: VAE latents and frozen text-encoder rows.
+
+    posttrain fit --config configs/finetune.yaml --data PrecomputedVideos --data.path runs/precomputed
+
+Batches carry ``latents`` (what finetune would encode from ``video``), ``prompt``, and ``text_embeds``
+{encoder: rows}; the method puts the rows in the card's embedding cache before the step, so its text
+encoders are not run on them. With the same ``batch_size`` and ``seed`` as the datamodule the rows were
+made from, batches hold the same samples in the same order, and training is bitwise the on-the-fly run at equal CPU threads
+(tests/test_precomputed.py). At start-up the method refuses rows made by other weights, at another video
+size or text length (``ExpertModule.check_precomputed``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch.utils.data import DataLoader, Dataset
+
+from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules.precomputed import PrecomputedSplit, read_manifest
+
+
+class PrecomputedDataset(Dataset):
+    def __init__(self, split: PrecomputedSplit):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> dict:
+        item = {"prompt": self.split.prompts[index], "index": index, "seed": index,
+                "text_embeds": {name: rows[index] for name, rows in self.split.text.items()}}
+        if self.split.latents is not None:
+            item["latents"] = self.split.latents[index]
+        return item
+
+
+class PrecomputedVideos(ResumableDataModule):
+    """Args:
+        path: a folder written by ``posttrain preprocess``.
+        batch_size, num_workers, seed: loader settings (as the datamodule the rows came from, for the
+            same order).
+    """
+
+    def __init__(self, path: str, batch_size: int = 4, num_workers: int = 0, seed: int = 0):
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.path = path
+        self.manifest = read_manifest(path)  # a wrong path fails at start-up
+        self._splits: dict[str, PrecomputedSplit] = {}
+
+    def split(self, name: str) -> PrecomputedSplit:
+        if name not in self._splits:
+            self._splits[name] = PrecomputedSplit(self.path, name, self.manifest)
+        return self._splits[name]
+
+    @property
+    def empty_text_embeds(self) -> dict:
+        """{encoder: (1, ...)} rows of the empty prompt."""
+        return self.split("train").empty
+
+    def train_dataset(self) -> Dataset:
+        return PrecomputedDataset(self.split("train"))
+
+    def val_dataloader(self) -> Optional[DataLoader]:
+        if "val" not in self.manifest["splits"]:
+            return None
+        return DataLoader(PrecomputedDataset(self.split("val")), batch_size=self.batch_size,
+                          num_workers=self.num_workers)

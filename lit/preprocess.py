@@ -1,0 +1,136 @@
+"""``posttrain preprocess``: encode a config's dataset once — VAE latents and frozen text-encoder rows — to disk.
+
+    posttrain preprocess --config configs/finetune.yaml --out runs/precomputed [--processes 2]
+    posttrain fit --config configs/finetune.yaml --data PrecomputedVideos --data.path runs/precomputed
+
+Every process encodes the indices ``rank, rank + N, …`` of each split (``train``, and ``val`` when the
+datamodule has one) in batches of the datamodule's batch size, through the card's own VAE and text encoders
+(the same calls training makes, so training on the rows is bitwise training on the fly), and writes one
+shard; the folder appears whole (written beside it, renamed at the end) with a manifest of SHA-256s and the
+source experts' weight digests (``modules/precomputed.py``). On GPUs process ``r`` uses ``cuda:r``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from posttrain.modules import precomputed
+
+
+def preprocess(config: str, out: str, processes: int = 1, batch_size: Optional[int] = None,
+               overwrite: bool = False) -> str:
+    """Precompute the VAE latents and frozen text-encoder rows of ``config``'s dataset into ``out``.
+
+    Args:
+        config: a fit config (its card and its ``data:``).
+        out: the folder to write (refused when it exists and is not empty, unless ``overwrite``).
+        processes: encoding processes (one shard each per split).
+        batch_size: rows per encoder call; None = the datamodule's batch size.
+        overwrite: replace a non-empty ``out``.
+    """
+    if processes < 1:
+        raise ValueError(f"preprocess: processes={processes} must be >= 1")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f"preprocess: {out!r} exists and is not empty; choose another --out or add "
+                              f"--overwrite true")
+    partial = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        if processes == 1:
+            _work(0, 1, config, partial, batch_size)
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(_work, args=(processes, config, partial, batch_size), nprocs=processes, join=True)
+        parts = []
+        for rank in range(processes):
+            with open(os.path.join(partial, f"part-{rank}.json")) as f:
+                parts.append(json.load(f))
+            os.remove(os.path.join(partial, f"part-{rank}.json"))
+        manifest = {"format": precomputed.FORMAT, "config": os.path.abspath(config), **parts[0]["about"],
+                    "splits": {split: {"count": sum(p["splits"][split]["rows"] for p in parts),
+                                       "files": [p["splits"][split] for p in parts]}
+                               for split in parts[0]["splits"]}}
+        with open(os.path.join(partial, precomputed.MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    counts = ", ".join(f"{split} {s['count']}" for split, s in manifest["splits"].items())
+    return f"wrote {out}: {counts} rows ({processes} process{'es' if processes > 1 else ''})"
+
+
+def _build(config: str):
+    """The config's method (its card built on this process) and datamodule; no trainer, no logger."""
+    from posttrain.lit.estimate import _instantiate_model, _parse
+
+    cfg = _parse(config)
+    method = _instantiate_model(cfg, config)
+    method.configure_model()
+    return method, _instantiate_data(cfg)
+
+
+def _instantiate_data(cfg):
+    import importlib
+
+    from jsonargparse import ArgumentParser
+
+    if cfg.get("data") is None:
+        raise ValueError("preprocess: the config has no `data:` to encode")
+    module, _, name = cfg.data.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module or "posttrain.datamodules"), name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "data")
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    return instantiate(parser.parse_object({"data": cfg.data.init_args.as_dict()})).data
+
+
+@torch.no_grad()
+def _work(rank: int, processes: int, config: str, folder: str, batch_size: Optional[int]) -> None:
+    if processes > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    method, data = _build(config)
+    card, stage = method.card, method.stage
+    device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
+    card.models.to(device)
+    splits = {"train": data.train_dataset()}
+    val = data.val_dataloader() if hasattr(data, "val_dataloader") else None
+    if val is not None:
+        splits["val"] = val.dataset
+    batch_size = batch_size or getattr(data, "batch_size", 8)
+    encoders = stage.encoders
+    versions = {name: card.versions[name] for name in encoders}
+    stage.adapter.text(stage, [""])
+    empty = {name: card.cache.row(name, versions[name], "")[None].cpu() for name in encoders}
+    report = {"splits": {}}
+    for split, dataset in splits.items():
+        indices = list(range(rank, len(dataset), processes))
+        prompts, latents, text = [], [], {name: [] for name in encoders}
+        for start in range(0, len(indices), batch_size):
+            items = [dataset[i] for i in indices[start:start + batch_size]]
+            batch_prompts = [item["prompt"] for item in items]
+            if "video" in items[0]:
+                latents.append(stage.encode(torch.stack([item["video"] for item in items]).to(device)).cpu())
+            stage.adapter.text(stage, batch_prompts)  # the training path: rows land in the card's cache
+            for name in encoders:
+                text[name].append(torch.stack([card.cache.row(name, versions[name], p) for p in batch_prompts]).cpu())
+            prompts += batch_prompts
+        path = os.path.join(folder, precomputed.shard_name(split, rank, processes))
+        report["splits"][split] = precomputed.write_shard(
+            path, torch.tensor(indices, dtype=torch.int64), prompts, torch.cat(latents) if latents else None,
+            {name: torch.cat(rows) for name, rows in text.items()}, empty)
+    if rank == 0:
+        sources = [stage.vae, *encoders] if "video" in splits["train"][0] else list(encoders)
+        report["about"] = {"sources": {name: card.weights_digest(name) for name in sources},
+                           "text_max_length": card.text_max_length,
+                           "video": [method.video.frames, method.video.height, method.video.width] if "video" in splits["train"][0] else None}
+    with open(os.path.join(folder, f"part-{rank}.json"), "w") as f:
+        json.dump(report, f)
