@@ -224,6 +224,12 @@ def test_memory_bench_runs():
     assert "memory ratio ZeRO-3 / DDP" in out and "step time ZeRO-3/DDP" in out
 
 
+def test_distill_bench_runs():
+    out = run_bench("bench/distill.py", "--steps", "2", "--prompts", "8", "--batch", "4", "--blocks", "1")
+    assert "time student/teacher" in out
+    assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
+
+
 def test_gpu_bench_tiny_runs_every_part(tmp_path):
     """The prepared GPU check at its tiny size on the CPU: every part yields figures, none an error."""
     import json

@@ -7,7 +7,8 @@ from posttrain.lit.cli import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
+from posttrain.modules.rewards import (ColourAlignment, ConstantReward, RewardOutput, SyntheticGenEvalReward,
+                                       score)
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN, adamw
 from tests.helpers import quick_trainer
@@ -100,5 +101,5 @@ def test_bad_input_is_a_clear_error():
 def test_config_parses(tmp_path):
     cli = PosttrainCLI(args=["--config", "configs/diffusion_nft.yaml", "--trainer.logger=false",
                              f"--trainer.default_root_dir={tmp_path}"], run=False)
-    assert isinstance(cli.model, DiffusionNFT) and isinstance(cli.model.reward, ColourAlignment)
+    assert isinstance(cli.model, DiffusionNFT) and isinstance(cli.model.reward, SyntheticGenEvalReward)
     assert cli.model.decay_type in (0, 1, 2)

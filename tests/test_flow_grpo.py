@@ -9,7 +9,8 @@ from posttrain.lit.cli import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.rewards import ColourAlignment, ConstantReward, RewardOutput, score
+from posttrain.modules.rewards import (ColourAlignment, ConstantReward, RewardOutput, SyntheticGenEvalReward,
+                                       score)
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN, adamw
 from tests.helpers import quick_trainer
@@ -127,6 +128,6 @@ def test_bad_options_and_empty_prompts():
 def test_config_parses(tmp_path):
     cli = PosttrainCLI(args=["--config", "configs/flow_grpo.yaml", "--trainer.logger=false",
                              f"--trainer.default_root_dir={tmp_path}"], run=False)
-    assert isinstance(cli.model, FlowGRPO) and isinstance(cli.model.reward, ColourAlignment)
+    assert isinstance(cli.model, FlowGRPO) and isinstance(cli.model.reward, SyntheticGenEvalReward)
     assert cli.model.num_samples_per_prompt >= 2 and cli.model.sampler.num_steps <= 10
     assert any(isinstance(cb, C2Check) for cb in cli.trainer.callbacks)
