@@ -21,7 +21,7 @@ from posttrain.modules.frechet import VideoFrechetDistance
 from posttrain.modules.geneval import SyntheticGenEval, read_facts
 from posttrain.modules.media import gif_bytes
 
-METRICS = ("geneval", "frechet")
+METRICS = ("geneval", "frechet", "clip_score")
 
 
 def still_caption(prompt: str) -> str:
@@ -39,19 +39,21 @@ class Evaluate(Callback):
     Args:
         name: the metric group: logs ``val/<name>/shape|colour|background|motion|all`` (synthetic GenEval
             accuracies) and ``val/<name>/frechet``.
-        metrics: any of ``"geneval"`` and ``"frechet"`` (the Fréchet distance, on frames, between the samples
+        metrics: any of ``"geneval"``, ``"frechet"`` (the Fréchet distance, on frames, between the samples
             and the rendered videos of the same captions, through torchmetrics' FID with the shipped VAE's
-            encoder as the feature network: a Fréchet *VAE* distance, not Inception FID).
+            encoder as the feature network: a Fréchet *VAE* distance, not Inception FID) and ``"clip_score"``
+            (torchmetrics' CLIPScore of up to 4 evenly spaced frames and the prompt, from ``clip``).
         num_prompts: how many synthetic captions; they and their noise seeds are the same at every validation.
         include, exclude: concepts every caption must / must not show (``"magenta"``, ``"shape:circle"``).
         seed: picks the captions (``ShapesDataset`` seed) and the first noise seed.
         batch_size: prompts per ``generate`` call.
         table: log a W&B table (prompt, sample, facts read back, verdict) at each evaluation.
+        clip: a local transformers CLIP folder (model and processor), for ``clip_score``.
     """
 
     def __init__(self, name: str = "geneval", metrics: Sequence[str] = ("geneval",), num_prompts: int = 16,
                  include: Sequence[str] = (), exclude: Sequence[str] = (), seed: int = 1000, batch_size: int = 8,
-                 table: bool = True):
+                 table: bool = True, clip: Optional[str] = None):
         unknown = sorted(set(metrics) - set(METRICS))
         if unknown or not metrics:
             raise ValueError(f"Evaluate: metrics={list(metrics)}; choose from {list(METRICS)}")
@@ -62,6 +64,13 @@ class Evaluate(Callback):
         self.batch_size, self.table = batch_size, table
         ShapesDataset(1, 1, 8, 8, exclude=self.exclude, include=self.include)  # bad concepts fail at start-up
         self._frechet: Optional[VideoFrechetDistance] = None
+        self._clip = None
+        if "clip_score" in self.metrics:
+            if clip is None:
+                raise ValueError("Evaluate: metric clip_score needs `clip:`, a local transformers CLIP folder")
+            from posttrain.modules.clip import clip_score_metric
+
+            self._clip = clip_score_metric(clip)  # a folder that cannot serve stops here, before training
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         names = [c.name for c in trainer.callbacks if isinstance(c, Evaluate)]
@@ -90,6 +99,9 @@ class Evaluate(Callback):
         frechet = self._frechet.to(pl_module.device) if "frechet" in self.metrics else None
         if frechet is not None:
             frechet.reset()
+        clip = self._clip.to(pl_module.device) if self._clip is not None else None
+        if clip is not None:
+            clip.reset()
 
         # every process samples batches rank, rank + world, ... (a ZeRO-3 expert gathers its weights
         # collectively, so every rank runs the same number of generate calls)
@@ -107,6 +119,12 @@ class Evaluate(Callback):
             if frechet is not None:
                 frechet.update(real[start:start + self.batch_size].to(videos), real=True)
                 frechet.update(videos.clamp(-1, 1), real=False)
+            if clip is not None:
+                from posttrain.modules.clip import to_uint8
+
+                picks = torch.linspace(0, videos.shape[2] - 1, min(4, videos.shape[2])).round().long().tolist()
+                for f in picks:
+                    clip.update(list(to_uint8(videos[:, :, f])), batch)  # on the device the model runs on
             if self.table:
                 rows += [(p, v.cpu(), read_facts(v)) for p, v in zip(batch, videos)]
         pl_module.train(was_training)
@@ -115,6 +133,8 @@ class Evaluate(Callback):
             if "geneval" in self.metrics else {}
         if frechet is not None:
             scores["frechet"] = frechet.compute()
+        if clip is not None:
+            scores["clip_score"] = clip.compute()
         for key, value in scores.items():
             pl_module.log(f"val/{self.name}/{key}", value.float().to(pl_module.device), sync_dist=False,
                           rank_zero_only=True, batch_size=len(prompts))

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.modules.geneval import judge
 from posttrain.modules.world import MOTIONS  # (dx, dy) of each direction, in frame fractions
@@ -305,8 +304,10 @@ class JpegCompressibility(Reward):
 
 class CLIPScore(Reward):
     """Cosine similarity of CLIP image and text embeddings, averaged over frames, from a **local**
-    ``transformers`` CLIP folder (``CLIPModel`` + ``CLIPProcessor``; nothing is downloaded). The model
-    loads on first use and follows the media's device. Scores the original prompt under joint RL.
+    ``transformers`` CLIP folder (``CLIPModel`` + ``CLIPProcessor``; nothing is downloaded), computed as
+    torchmetrics' ``CLIPScore`` computes it per sample (``modules/clip.py``; the ``Evaluate`` callback's
+    ``clip_score`` metric reads the same folder the same way). The model loads on first use. Scores the
+    original prompt under joint RL.
 
     Args:
         path: a local folder holding a CLIP model and its processor.
@@ -318,34 +319,19 @@ class CLIPScore(Reward):
             raise FileNotFoundError(f"CLIPScore: path={path!r} is not a local folder; give the folder of a "
                                     f"transformers CLIP model (CLIPModel.save_pretrained), nothing is downloaded")
         self.path, self.frames = path, frames
-        self._model = None
-        self._processor = None
-
-    def _load(self, device: torch.device) -> None:
-        if self._model is None:
-            from transformers import CLIPModel, CLIPProcessor
-
-            self._model = CLIPModel.from_pretrained(self.path, local_files_only=True).eval().requires_grad_(False)
-            self._processor = CLIPProcessor.from_pretrained(self.path, local_files_only=True)
-        self._model.to(device)
+        self._clip = None
 
     def __call__(self, media, prompts, context=None) -> RewardOutput:
-        self._load(media.device)
+        from posttrain.modules.clip import clip_cosines, load_clip
+
+        if self._clip is None:
+            self._clip = load_clip(self.path)
         prompts = prompts_for_scoring(prompts, context)
         B, _, n_frames, _, _ = media.shape
         idx = torch.linspace(0, n_frames - 1, min(self.frames, n_frames)).round().long().to(media.device)
-        images = media[:, :, idx].permute(0, 2, 1, 3, 4).flatten(0, 1).float()  # (B·f, 3, H, W)
-        proc = self._processor.image_processor
-        size = proc.crop_size["height"] if isinstance(proc.crop_size, dict) else proc.crop_size
-        images = F.interpolate((images + 1) / 2, size=(size, size), mode="bilinear", align_corners=False)
-        mean = torch.tensor(proc.image_mean, device=media.device).view(1, 3, 1, 1)
-        std = torch.tensor(proc.image_std, device=media.device).view(1, 3, 1, 1)
-        image_emb = self._model.get_image_features(pixel_values=(images - mean) / std)
-        text = self._processor.tokenizer(prompts, padding=True, truncation=True, return_tensors="pt").to(media.device)
-        text_emb = self._model.get_text_features(**text)
-        image_emb = F.normalize(image_emb.float(), dim=-1).unflatten(0, (B, -1))  # (B, f, D)
-        text_emb = F.normalize(text_emb.float(), dim=-1)  # (B, D)
-        total = (image_emb * text_emb[:, None]).sum(-1).mean(1)
+        images = media[:, :, idx].permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B·f, 3, H, W)
+        texts = [p for p in prompts for _ in range(len(idx))]
+        total = clip_cosines(*self._clip, images, texts).view(B, len(idx)).mean(1).to(media.device)
         return RewardOutput(total, {"cosine": total})
 
 

@@ -75,3 +75,36 @@ class NaNReward(Reward):
         values = torch.zeros(len(prompts))
         values[::2] = float("nan")
         return values
+
+
+def tiny_clip_folder(path: str) -> str:
+    """A local transformers CLIP folder (random tiny ``CLIPModel``, ``CLIPProcessor`` with a byte-level BPE
+    vocabulary written here and no merges): what ``CLIPScore`` reads, made without any download."""
+    import json
+
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    os.makedirs(path, exist_ok=True)
+    chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    with open(os.path.join(path, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(path, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=77,
+                         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8), projection_dim=16))
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=tokenizer)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

@@ -97,3 +97,16 @@ def test_two_evaluations_of_one_name_are_refused(tmp_path):
                       default_root_dir=str(tmp_path), callbacks=[Evaluate(num_prompts=2), Evaluate(num_prompts=4)])
     with pytest.raises(ValueError, match="two Evaluate callbacks are named 'geneval'"):
         trainer.validate(Oracle(), verbose=False)
+
+
+def test_clip_score_is_logged_from_a_local_folder_and_a_missing_one_stops_at_start_up(tmp_path):
+    from helpers import tiny_clip_folder
+
+    with pytest.raises(ValueError, match="clip_score needs `clip:`"):
+        Evaluate(metrics=["clip_score"])
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        Evaluate(metrics=["clip_score"], clip=str(tmp_path / "missing"))
+    folder = tiny_clip_folder(str(tmp_path / "clip"))
+    logged = validate(Oracle(), Evaluate(metrics=["geneval", "clip_score"], clip=folder, num_prompts=4,
+                                         batch_size=2, table=False), tmp_path)
+    assert 0.0 <= logged["val/geneval/clip_score"] <= 100.0 and logged["val/geneval/all"] >= 0.95

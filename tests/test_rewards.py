@@ -107,3 +107,24 @@ def test_clip_score_needs_a_local_folder(tmp_path):
         CLIPScore("openai/clip-vit-base-patch32")
     with pytest.raises(FileNotFoundError, match="is not a local folder"):
         CLIPScore(str(tmp_path / "missing"))
+
+
+def test_clip_score_reward_is_torchmetrics_clip_score_per_sample(tmp_path):
+    """The reward and the evaluation metric read one local CLIP folder the same way: the reward of a one-frame
+    sample is torchmetrics' CLIPScore of it / 100 (before the metric's clamp at 0)."""
+    from helpers import tiny_clip_folder
+
+    from posttrain.modules.clip import clip_score_metric, to_uint8
+
+    folder = tiny_clip_folder(str(tmp_path / "clip"))
+    media = torch.rand(3, 3, 2, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    prompts = ["a red circle moving left on a blue background", "a green square", "a cyan triangle"]
+    out = score(CLIPScore(folder, frames=1), media, prompts)
+    assert out.total.shape == (3,) and bool(((out.total >= -1) & (out.total <= 1)).all())
+    metric = clip_score_metric(folder)
+    for b in range(3):
+        metric.reset()
+        metric.update([to_uint8(media[b, :, 0])], [prompts[b]])
+        assert float(metric.compute()) == pytest.approx(max(float(out.total[b]) * 100, 0.0), abs=1e-3)
+    with pytest.raises(ValueError, match="does not hold a CLIP model with its processor"):
+        clip_score_metric(str(tmp_path))  # a folder, but no CLIP in it
