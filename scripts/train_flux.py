@@ -16,6 +16,9 @@ written as PNGs next to the log.
     python scripts/train_flux.py --out runs/flux_a --minutes 40
     python scripts/train_flux.py --init runs/flux_a --out modules/assets --minutes 40   # TIME on 2 CPU cores
 
+The shipped ``flux``, ``clip`` and ``t5`` are a 40-minute run (2826 steps) continued with ``--init modules/assets
+--minutes 35 --threads 1`` (15142 more steps): its last check reads back shape 0.52, colour 0.98, background 1.0.
+
 Writes ``<out>/flux``, ``<out>/clip``, ``<out>/t5`` (``save_pretrained``, safetensors).
 """
 from __future__ import annotations
