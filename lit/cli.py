@@ -121,8 +121,8 @@ class PosttrainCLI(LightningCLI):
 def apply_tiny_preset(config) -> None:
     """A recipe at the embedded default's size: every expert from its tiny preset, i.e. the shipped asset where
     there is one (the sources, dtypes, attention backends and offloading of real weights dropped; LoRA,
-    sharding stage and roles kept), one CPU process, the default video size and text length. The method, its
-    settings and the data stay."""
+    sharding stage and roles kept), one CPU process, the default video size (one frame for an image generator)
+    and text length. The method, its settings and the data stay."""
     from posttrain.lit.base import RunArgs
 
     def args(ns):  # a class given as {class_path, init_args} or as its arguments
@@ -143,7 +143,8 @@ def apply_tiny_preset(config) -> None:
     run = config.model.init_args.get("run")
     if run is not None:
         default = RunArgs()
-        assign(args(run), frames=default.frames, height=default.height, width=default.width)
+        still = args(run).get("frames") == 1  # an image generator stays one frame
+        assign(args(run), frames=1 if still else default.frames, height=default.height, width=default.width)
     assign(config.trainer, accelerator="cpu", devices=1, num_nodes=1, precision="32-true")
     if isinstance(config.trainer.get("strategy"), str):
         config.trainer.strategy = "auto"
