@@ -377,8 +377,9 @@ def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     run = tmp_path / "run"
     config["trainer"].update(max_steps=2, enable_progress_bar=False, limit_val_batches=1, val_check_interval=2,
                              default_root_dir=str(run))
-    config["trainer"]["callbacks"][0]["init_args"].update(dirpath=str(run / "ckpt"), every_n_train_steps=2)
-    config["trainer"]["callbacks"][1]["init_args"].update(every_n_iterations=2)
+    callbacks = {c["class_path"].rpartition(".")[2]: c for c in config["trainer"]["callbacks"]}
+    callbacks["ModelCheckpoint"]["init_args"].update(dirpath=str(run / "ckpt"), every_n_train_steps=2)
+    callbacks["SampleVideos"]["init_args"].update(every_n_iterations=2)
     config["model"]["init_args"]["run"] = dict(SIZE)
     config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
