@@ -5,14 +5,11 @@
   that its root "does not exist";
 - no ``anonymous`` setting (Lightning always passes one, which wandb >= 0.19 warns has no effect);
 - ``id`` / ``job_type`` / ``group`` are set by the CLI: a resumed fit continues its W&B run, validate and
-  predict runs are tagged by job type and grouped with the fit run;
-- a run resumed right after a kill waits for the killed process's W&B service to let go of the run (W&B
-  refuses "run ID ... is in use" until that orphan notices its parent is gone), up to a minute.
+  predict runs are tagged by job type and grouped with the fit run.
 """
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Optional
 
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
@@ -30,14 +27,3 @@ class WandbLogger(LightningWandbLogger):
         super().__init__(name=name, save_dir=save_dir, version=version, offline=offline, project=project,
                          log_model=log_model, id=id, **extra, **kwargs)
         self._wandb_init.pop("anonymous", None)
-
-    @property
-    def experiment(self):
-        deadline = time.monotonic() + 60.0
-        while True:
-            try:
-                return super().experiment
-            except Exception as err:  # noqa: BLE001 - only W&B's "in use" refusal is retried
-                if "is in use" not in str(err) or time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)

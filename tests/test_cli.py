@@ -129,29 +129,3 @@ def test_default_run_prints_no_warning_and_resumes_its_wandb_run(tmp_path):
     assert len(ids) == 3 and ids[0] == ids[1] and ids[2] != ids[0], runs  # fit, resumed fit, validate
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == sorted(
         ["last.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"])
-
-
-def test_a_wandb_run_still_held_by_a_killed_process_is_waited_for(tmp_path, monkeypatch):
-    """Resuming right after a kill, W&B refuses "run ID ... is in use" until the killed process's service lets go:
-    the logger retries that refusal (and only that one)."""
-    from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
-
-    from posttrain.lit import tracking
-
-    calls = []
-
-    def held_twice(self):
-        calls.append(1)
-        if len(calls) <= 2:
-            raise RuntimeError("run ID qey88t1l is in use")
-        return "run"
-
-    monkeypatch.setattr(LightningWandbLogger, "experiment", property(held_twice))
-    monkeypatch.setattr(tracking.time, "sleep", lambda seconds: None)
-    logger = tracking.WandbLogger(save_dir=str(tmp_path))
-    assert logger.experiment == "run" and len(calls) == 3
-
-    monkeypatch.setattr(LightningWandbLogger, "experiment",
-                        property(lambda self: (_ for _ in ()).throw(RuntimeError("another problem"))))
-    with pytest.raises(RuntimeError, match="another problem"):
-        logger.experiment
