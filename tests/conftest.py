@@ -90,3 +90,13 @@ def one_thread():
 def pytest_addoption(parser):
     parser.addoption("--kills", type=int, default=None,
                      help="tests/test_kill_anywhere.py: kill moments per config (default: the CI set of 3)")
+
+
+@pytest.fixture(autouse=True)
+def _own_wandb_service(monkeypatch):
+    """Every `posttrain` subprocess a test starts runs its own W&B service. A test that ran W&B in this process
+    left ``WANDB_SERVICE`` in the environment, and a child inheriting it joins this process's service; a child
+    killed there (the kill-anywhere tests) leaves its run's stream registered, and its resume is refused "run ID ...
+    is in use" — what failed once in CI when tests/test_evaluation.py began running W&B in-process before them."""
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    yield
