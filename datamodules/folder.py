@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.modules import presets
 from posttrain.modules import vae as vae_codec
+from posttrain.modules.cache import file_hash
 from posttrain.modules.cards import Expert, freeze
 
 VIDEO_EXTS = (".mp4", ".mov", ".webm", ".mkv", ".gif")
@@ -163,14 +164,6 @@ def to_video(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
     top, left = (size[0] - height) // 2, (size[1] - width) // 2
     x = x[..., top:top + height, left:left + width].clamp(0, 255)
     return (x / 127.5 - 1).permute(1, 0, 2, 3).contiguous()
-
-
-def file_hash(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def weights_hash(model: torch.nn.Module) -> str:

@@ -17,6 +17,15 @@ def content_hash(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
+def file_hash(path: str) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 class EmbeddingCache:
     def __init__(self, max_entries: int = 8192, device: Optional[str] = None):
         self.max_entries = max_entries

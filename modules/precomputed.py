@@ -17,7 +17,6 @@ it (safetensors: no pickle), and a training run refuses rows made by other weigh
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any, Optional
@@ -26,16 +25,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.modules.cache import file_hash
+
 FORMAT = 1
 MANIFEST = "manifest.json"
-
-
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def shard_name(split: str, rank: int, processes: int) -> str:
@@ -51,7 +44,7 @@ def write_shard(path: str, index: torch.Tensor, prompts: list[str], latents: Opt
     tensors.update({f"text/{name}": rows.contiguous() for name, rows in text.items()})
     tensors.update({f"empty/{name}": row.contiguous() for name, row in empty.items()})
     save_file(tensors, path, metadata={"prompts": json.dumps(prompts)})
-    return {"file": os.path.basename(path), "rows": len(prompts), "sha256": sha256_of(path)}
+    return {"file": os.path.basename(path), "rows": len(prompts), "sha256": file_hash(path)}
 
 
 class PrecomputedSplit:
@@ -70,7 +63,7 @@ class PrecomputedSplit:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"precomputed data {folder!r}: shard {entry['file']} is missing; run "
                                         f"`posttrain preprocess` again")
-            if sha256_of(path) != entry["sha256"]:
+            if file_hash(path) != entry["sha256"]:
                 raise ValueError(f"precomputed data {folder!r}: shard {entry['file']} does not match its SHA-256 "
                                  f"in {MANIFEST} (changed or damaged); run `posttrain preprocess` again")
             with safe_open(path, framework="pt") as f:
