@@ -20,6 +20,7 @@ from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.modules.frechet import VideoFrechetDistance
 from posttrain.modules.geneval import SyntheticGenEval, read_facts
 from posttrain.modules.media import gif_bytes
+from posttrain.modules.world import caption
 
 METRICS = ("geneval", "frechet", "clip_score")
 
@@ -64,6 +65,7 @@ class Evaluate(Callback):
         self.batch_size, self.table = batch_size, table
         ShapesDataset(1, 1, 8, 8, exclude=self.exclude, include=self.include)  # bad concepts fail at start-up
         self._frechet: Optional[VideoFrechetDistance] = None
+        self._fixed: dict[tuple[int, int, int], tuple[list[str], Optional[torch.Tensor]]] = {}
         self._clip = None
         if "clip_score" in self.metrics:
             if clip is None:
@@ -78,13 +80,18 @@ class Evaluate(Callback):
             raise ValueError(f"two Evaluate callbacks are named {self.name!r} (both would log val/{self.name}/...); "
                              f"give each its own `name`")
 
-    def prompts_and_videos(self, frames: int, height: int, width: int) -> tuple[list[str], torch.Tensor]:
-        """The fixed captions (motion dropped for a 1-frame generator) and their rendered videos."""
-        data = ShapesDataset(self.num_prompts, frames, height, width, seed=self.seed, exclude=self.exclude,
-                             include=self.include)
-        items = [data[i] for i in range(len(data))]
-        prompts = [it["prompt"] if frames > 1 else still_caption(it["prompt"]) for it in items]
-        return prompts, torch.stack([it["video"] for it in items])
+    def prompts_and_videos(self, frames: int, height: int, width: int) -> tuple[list[str], Optional[torch.Tensor]]:
+        """The fixed captions (motion dropped for a 1-frame generator) and, for ``frechet``, their rendered
+        videos; made once per size (they are the same at every validation)."""
+        key = (frames, height, width)
+        if key not in self._fixed:
+            data = ShapesDataset(self.num_prompts, frames, height, width, seed=self.seed, exclude=self.exclude,
+                                 include=self.include)
+            prompts = [caption(*data.facts(i)) for i in range(len(data))]
+            prompts = prompts if frames > 1 else [still_caption(p) for p in prompts]
+            real = torch.stack([data[i]["video"] for i in range(len(data))]) if "frechet" in self.metrics else None
+            self._fixed[key] = (prompts, real)
+        return self._fixed[key]
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
