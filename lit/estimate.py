@@ -286,19 +286,27 @@ def _check_experts(config: str) -> None:
 
 def _instantiate_model(cfg, config: str):
     """The method (an ``ExpertModule``) of the config, its card unbuilt: no data, trainer or logger."""
+    return instantiate_part(cfg, "model", config, "estimate")
+
+
+def instantiate_part(cfg, part: str, config: str, tool: str):
+    """One part of a parsed fit config (``"model"`` or ``"data"``) built alone, by its class's own arguments."""
     import importlib
 
     from jsonargparse import ArgumentParser
 
-    module, _, name = cfg.model.class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
+    section = cfg.get(part)
+    if section is None:
+        raise ValueError(f"{tool}: {config!r} has no `{part}:`")
+    module, _, name = section.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module or f"posttrain.{'lit' if part == 'model' else 'datamodules'}"), name)
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "model")
+    parser.add_class_arguments(cls, part)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
     try:
-        return instantiate(parser.parse_object({"model": cfg.model.init_args.as_dict()})).model
-    except Exception as err:  # the method's and the card's own checks name the problem and the fix
-        raise ValueError(f"estimate: the model of {config!r} does not build: {err}") from err
+        return getattr(instantiate(parser.parse_object({part: section.init_args.as_dict()})), part)
+    except Exception as err:  # the method's, the card's and the datamodule's own checks name the problem and the fix
+        raise ValueError(f"{tool}: the {part} of {config!r} does not build: {err}") from err
 
 
 def _count(option: str, value: Any, config: str) -> int:

@@ -70,27 +70,12 @@ def preprocess(config: str, out: str, processes: int = 1, batch_size: Optional[i
 
 def _build(config: str):
     """The config's method (its card built on this process) and datamodule; no trainer, no logger."""
-    from posttrain.lit.estimate import _instantiate_model, _parse
+    from posttrain.lit.estimate import _parse, instantiate_part
 
     cfg = _parse(config)
-    method = _instantiate_model(cfg, config)
+    method = instantiate_part(cfg, "model", config, "preprocess")
     method.configure_model()
-    return method, _instantiate_data(cfg)
-
-
-def _instantiate_data(cfg):
-    import importlib
-
-    from jsonargparse import ArgumentParser
-
-    if cfg.get("data") is None:
-        raise ValueError("preprocess: the config has no `data:` to encode")
-    module, _, name = cfg.data.class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module or "posttrain.datamodules"), name)
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "data")
-    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    return instantiate(parser.parse_object({"data": cfg.data.init_args.as_dict()})).data
+    return method, instantiate_part(cfg, "data", config, "preprocess")
 
 
 @torch.no_grad()
