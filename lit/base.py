@@ -134,10 +134,10 @@ class ExpertModule(LightningModule):
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
         if not self.card.built:
-            # a sharding strategy builds its sharded experts under its own context (deepspeed.zero.Init)
+            # a sharding strategy builds its sharded experts itself (partitioned under deepspeed.zero.Init)
             # and gathers them while roles copy them
             strategy = self._trainer.strategy if self._trainer is not None else None
-            self.card.build(init_context=getattr(strategy, "expert_init_context", None))
+            self.card.build(build_expert=getattr(strategy, "build_expert", None))
             gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
             with gathered(self.card):
                 self.setup_roles()

@@ -4,7 +4,7 @@ Lightning's ``DeepSpeedStrategy`` wraps the whole LightningModule in one engine 
 refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 
 - builds every expert with ``sharded: true`` and ZeRO stage 3 under ``deepspeed.zero.Init`` (each
-  process only ever holds its shard), through ``card.build(init_context=...)``;
+  process only ever holds its shard), stored weights filled module by module, through ``card.build(build_expert=...)``;
 - in ``configure_ddp`` gives each sharded expert its own ``deepspeed.initialize`` engine — its own
   optimizer and scheduler from the card, ZeRO stage 2/3, optional CPU offload, fp32/bf16, all from
   ``Expert.zero`` — and puts the engine back on the card (``card.models[name]``), so methods call it
@@ -36,6 +36,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 from typing import Any, ContextManager, Mapping, Optional
 
 import torch
@@ -46,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from posttrain.lit import checkpoints as ckpt
 from posttrain.modules import presets
-from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.cards import Expert, ModelCard, dtype_of
 
 TAG = "zero"  # engine.save_checkpoint tag inside each expert's folder
 LIGHTNING_STATE = "lightning.pt"
@@ -102,22 +103,29 @@ class ShardedExpertsStrategy(DDPStrategy):
                             f"{type(self.lightning_module).__name__}")
         return card
 
-    def expert_init_context(self, name: str, spec: Expert) -> ContextManager:
-        """``deepspeed.zero.Init`` for a ZeRO-3 expert while fitting: each process builds only its shard.
-
-        Only for an expert built from a config (random weights): ``from_pretrained`` of a diffusers class
-        cannot fill ``zero.Init``'s partitions ("Cannot copy out of meta tensor"), so an expert that loads
-        stored weights (``pretrained``, or a shipped asset) is built whole and partitioned by its engine.
-        """
+    def build_expert(self, name: str, spec: Expert) -> Optional[torch.nn.Module]:
+        """A ZeRO-3 expert while fitting, built under ``deepspeed.zero.Init``: each process allocates only its
+        partition. Stored weights (``pretrained``, or a shipped asset) are not read by ``from_pretrained`` (which
+        builds the whole model on every process first, and cannot fill ``zero.Init``'s partitions): the model
+        is built from the folder's config, then filled from its safetensors one module at a time, each
+        module's parameters gathered while rank 0 writes them. None for every other expert (built as usual)."""
         trainer = self.lightning_module._trainer
         if not spec.sharded or spec.zero.stage != 3 or trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return contextlib.nullcontext()
-        if presets.loads_weights(spec.arch, spec.pretrained, spec.preset):
-            return contextlib.nullcontext()
+            return None
         import deepspeed
 
-        return deepspeed.zero.Init(config_dict_or_path=deepspeed_config(spec),
+        init = deepspeed.zero.Init(config_dict_or_path=deepspeed_config(spec),
                                    remote_device="cpu" if spec.zero.offload_params else None)
+        dtype = dtype_of(spec.dtype)
+        if not presets.loads_weights(spec.arch, spec.pretrained, spec.preset):
+            with init:
+                return presets.build_model(spec.arch, None, None, spec.preset, dtype)
+        with init:
+            model = presets.build_skeleton(spec.arch, spec.pretrained, spec.subfolder, dtype)
+        presets.load_weights(model, presets.weights_folder(spec.arch, spec.pretrained, spec.subfolder),
+                             gather=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0),
+                             reads=self.global_rank == 0)
+        return model
 
     def gathered_experts(self, card: ModelCard) -> ContextManager:
         """Full weights of every ZeRO-3 expert on every process for the duration (role copies)."""
@@ -225,31 +233,52 @@ class ShardedExpertsStrategy(DDPStrategy):
         self.barrier("sharded_checkpoint_dir")
         ckpt.fault_point("write:start")
         meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
-        for name, engine in self.trained_engines.items():
-            engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+        failure = None  # a full disk on any process: every process stops the save alike, rank 0 removes the folder
+        try:
+            for name, engine in self.trained_engines.items():
+                engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+        except OSError as err:
+            failure = err
+        self._agree_or_abandon(failure, temp, destination)
         ckpt.fault_point("write:shards")
         hashed: dict[str, dict] = {}
-        if self.is_global_zero:
-            checkpoint["posttrain_sharded"] = meta
-            hashed[LIGHTNING_STATE] = ckpt.save_state(checkpoint, os.path.join(temp, LIGHTNING_STATE))
-            with open(os.path.join(temp, META), "w") as f:
-                json.dump(meta, f, indent=1)
+        try:
+            if self.is_global_zero:
+                checkpoint["posttrain_sharded"] = meta
+                hashed[LIGHTNING_STATE] = ckpt.save_state(checkpoint, os.path.join(temp, LIGHTNING_STATE))
+                with open(os.path.join(temp, META), "w") as f:
+                    json.dump(meta, f, indent=1)
+        except OSError as err:
+            failure = err
+        self._agree_or_abandon(failure, temp, destination)
         ckpt.fault_point("write:state")
-        self.barrier("sharded_checkpoint_written")
         # every process hashes and fsyncs a share of the files (the shards are most of the bytes)
         files = [rel for rel in ckpt.files_under(temp) if rel != LIGHTNING_STATE]
         mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
                 for rel in files[self.global_rank::self.world_size]}
         shares: list = [None] * self.world_size
         dist.all_gather_object(shares, mine)
+        try:
+            if self.is_global_zero:
+                for share in shares:
+                    hashed.update(share)
+                extra = (storage_options or {}).get(ckpt.META_OPTION) if isinstance(storage_options, dict) else None
+                ckpt.commit(temp, destination, hashed,
+                            meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+                                  "world_size": self.world_size, **(extra or {})})
+        except OSError as err:
+            failure = err
+        self._agree_or_abandon(failure, temp, destination)
+
+    def _agree_or_abandon(self, failure: Optional[OSError], temp: str, destination: str) -> None:
+        """After each phase of a save: if any process failed to write, all of them stop with the same message and
+        rank 0 removes the temporary folder (the earlier checkpoints and ``last`` are untouched)."""
+        if not self.reduce_boolean_decision(failure is not None, all=False):
+            return
         if self.is_global_zero:
-            for share in shares:
-                hashed.update(share)
-            extra = (storage_options or {}).get(ckpt.META_OPTION) if isinstance(storage_options, dict) else None
-            ckpt.commit(temp, destination, hashed,
-                        meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
-                              "world_size": self.world_size, **(extra or {})})
-        self.barrier("sharded_checkpoint_saved")
+            shutil.rmtree(temp, ignore_errors=True)
+        reason = (failure.strerror or str(failure)) if failure is not None else "another process could not write"
+        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason))
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:

@@ -15,7 +15,7 @@ import contextlib
 import copy
 import hashlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 from torch import nn
@@ -76,7 +76,8 @@ class Expert:
     compile: bool = False  # torch.compile the module in place (state dict unchanged)
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
+    """An ``Expert.dtype`` name as a torch dtype."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
@@ -143,7 +144,8 @@ class ModelCard(nn.Module):
                 problems.append(f"expert {name!r} is trainable but has no optimizer; add "
                                 f"`optimizer: {{class_path: torch.optim.AdamW, init_args: {{lr: 1e-4}}}}`")
             if not spec.trainable and (spec.optimizer is not None or spec.scheduler is not None):
-                problems.append(f"expert {name!r} has an optimizer or scheduler but trainable=false")
+                problems.append(f"expert {name!r} has an optimizer or scheduler but trainable=false: set `trainable: true` to train "
+                                f"it, or remove its optimizer and scheduler")
             if spec.accumulate < 1:
                 problems.append(f"expert {name!r}: accumulate={spec.accumulate} must be >= 1")
             if spec.pretrained is not None and (err := presets.check_pretrained(spec.pretrained)):
@@ -170,20 +172,19 @@ class ModelCard(nn.Module):
     def built(self) -> bool:
         return len(self.models) > 0
 
-    def build(self, init_context: Optional[Callable[[str, Expert], ContextManager]] = None) -> None:
+    def build(self, build_expert: Optional[Callable[[str, Expert], Optional[nn.Module]]] = None) -> None:
         """Build every expert (random tiny preset or ``from_pretrained``) and freeze the frozen ones.
 
-        ``init_context(name, expert)`` wraps each construction, e.g. ``deepspeed.zero.Init`` for an
-        expert too large to build whole on one process. An expert with ``init_from`` then takes the named
-        expert's weights (before any LoRA adapter is added).
+        ``build_expert(name, expert)`` may build an expert its own way and return it (None: the usual way),
+        e.g. partitioned under ``deepspeed.zero.Init`` for an expert too large to build whole on one process.
+        An expert with ``init_from`` then takes the named expert's weights (before any LoRA adapter is added).
         """
         built = {}
         for name, spec in self.specs.items():
-            ctx = init_context(name, spec) if init_context is not None else contextlib.nullcontext()
             try:
-                with ctx:
-                    built[name] = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
-                                                      _dtype(spec.dtype))
+                model = build_expert(name, spec) if build_expert is not None else None
+                built[name] = model if model is not None else presets.build_model(
+                    spec.arch, spec.pretrained, spec.subfolder, spec.preset, dtype_of(spec.dtype))
             except ValueError as err:
                 raise ValueError(f"expert {name!r}: {err}") from err
         for name, spec in self.specs.items():

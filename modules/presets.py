@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
@@ -202,6 +202,91 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
         cls, config_cls = _TRANSFORMERS[arch]
         model = cls(config_cls(**config))
     return cast(model, dtype)
+
+
+def weights_folder(arch: str, pretrained: str | None = None, subfolder: str | None = None) -> str:
+    """The local folder ``build_model`` reads stored weights from (``pretrained`` + ``subfolder``, or the
+    shipped asset), for an expert where ``loads_weights`` holds."""
+    if pretrained is None:
+        return TRAINED_ASSETS[arch]
+    if not os.path.isdir(pretrained):
+        from huggingface_hub import snapshot_download
+
+        pretrained = snapshot_download(pretrained, local_files_only=True)  # "org/name" from the local cache
+    return os.path.join(pretrained, subfolder or "")
+
+
+def build_skeleton(arch: str, pretrained: str | None = None, subfolder: str | None = None,
+                   dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model of a weights folder built from its config alone (weights as the constructor initialises
+    them), for a caller that fills the weights itself (``load_weights``): under ``deepspeed.zero.Init`` each
+    process then allocates only its partition, where ``from_pretrained`` would build the whole model first."""
+    folder = weights_folder(arch, pretrained, subfolder)
+    cls = model_class(arch)
+    if arch in _DIFFUSERS:
+        model = cls.from_config(cls.load_config(folder))
+    else:
+        model = cls(_TRANSFORMERS[arch][1].from_pretrained(folder))
+    return cast(model, dtype)
+
+
+def weight_files(folder: str) -> list[str]:
+    """The safetensors files of a ``save_pretrained`` folder, one or the shards its index lists."""
+    for stem in ("diffusion_pytorch_model", "model"):
+        index = os.path.join(folder, f"{stem}.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(folder, shard) for shard in shards]
+        single = os.path.join(folder, f"{stem}.safetensors")
+        if os.path.isfile(single):
+            return [single]
+    raise ValueError(f"{folder!r} has no safetensors weights (diffusion_pytorch_model.safetensors or "
+                     f"model.safetensors, single or sharded with an index); a ZeRO-3 expert reads its stored weights "
+                     f"shard by shard from safetensors: re-save the model with save_pretrained(folder)")
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, folder: str,
+                 gather: Callable[[list[torch.nn.Parameter]], contextlib.AbstractContextManager],
+                 reads: bool = True) -> None:
+    """Fill ``model`` (built by ``build_skeleton``, possibly partitioned) with the weights in ``folder``, one
+    module at a time: ``gather(params)`` makes that module's parameters whole for the duration (for ZeRO-3
+    ``deepspeed.zero.GatheredParameters(params, modifier_rank=0)``, which re-partitions what rank 0 wrote),
+    so no process ever holds more than one module's full weights. Only a process with ``reads`` reads the
+    parameters (the others receive them); buffers are read everywhere. A tied parameter is found under any
+    of its names; a parameter the files lack stops with its name."""
+    from safetensors import safe_open
+
+    files = weight_files(folder)
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    key = {pid: next((k for k in candidates if k in where), None) for pid, candidates in names.items()}
+    missing = [names[pid][0] for pid, k in key.items() if k is None]
+    if missing:  # decided on every process from the file listing, before any collective
+        raise ValueError(f"{folder!r} lacks {len(missing)} weight(s) of the {type(model).__name__} its config builds, "
+                         f"e.g. {missing[:3]}: point `pretrained` at a folder save_pretrained wrote for this class")
+
+    def tensor(name: str) -> torch.Tensor:
+        with safe_open(where[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    for prefix, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if params:
+            with gather(params):
+                if reads:
+                    for param in params:
+                        param.data.copy_(tensor(key[id(param)]).view_as(param.data))
+        for name, buffer in module.named_buffers(recurse=False):
+            name = f"{prefix}.{name}" if prefix else name
+            if name in where:
+                buffer.copy_(tensor(name))
 
 
 @contextlib.contextmanager
