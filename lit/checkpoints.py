@@ -230,9 +230,13 @@ def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optiona
         commit(temp, destination, {STATE: digest}, meta=_meta_of(checkpoint, meta))
     except OSError as err:
         shutil.rmtree(temp, ignore_errors=True)
-        raise CheckpointError(f"writing checkpoint {destination!r} failed ({err.strerror or err}); the earlier "
-                              f"checkpoints are unchanged. Free space in {os.path.dirname(destination)!r} (or point "
-                              f"ModelCheckpoint's dirpath elsewhere) and resume with --ckpt_path last") from err
+        raise CheckpointError(write_failed(destination, err.strerror or str(err))) from err
+
+
+def write_failed(destination: str, reason: str) -> str:
+    return (f"writing checkpoint {destination!r} failed ({reason}); the earlier checkpoints are unchanged. Free "
+            f"space in {os.path.dirname(destination)!r} (or point ModelCheckpoint's dirpath elsewhere) and resume with "
+            f"--ckpt_path last")
 
 
 def _meta_of(checkpoint: dict, meta: Optional[dict]) -> dict:
@@ -329,7 +333,8 @@ def load(path: str) -> dict[str, Any]:
     """The Lightning state of checkpoint ``path``, verified, weights only (ZeRO shards are not read here)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; give a checkpoint folder written by `posttrain "
-                                f"fit` (e.g. <run>/checkpoints/last.ckpt), or `--ckpt_path last` to resume a run's newest")
+                                f"fit` (e.g. <run>/checkpoints/last.ckpt; `fit`/`validate`/`predict` also take "
+                                f"`--ckpt_path last`, the newest of the config's run)")
     if os.path.isdir(path):
         verify(path)
         fault_point("load:verified")

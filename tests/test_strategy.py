@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+from unittest import mock
 
 import pytest
 import torch
@@ -152,7 +154,7 @@ def test_config_parses():
     assert not any(s.sharded for name, s in cli.model.card.specs.items() if name != "transformer")
 
 
-def _fit_in_process(card_experts: dict, strategy, ckpt_path=None):
+def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=()):
     from lightning.pytorch import Trainer
 
     from posttrain.datamodules.synthetic import SyntheticVideos
@@ -170,7 +172,7 @@ def _fit_in_process(card_experts: dict, strategy, ckpt_path=None):
     model = Finetune(ModelCard(experts), ema_decay=0.9, run=RunArgs(**h.SIZE))
     trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, strategy=strategy, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0)
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=list(callbacks))
     trainer.fit(model, SyntheticVideos(num_samples=4, batch_size=2, **h.SIZE), ckpt_path=ckpt_path)
 
 
@@ -262,6 +264,110 @@ def test_frozen_zero3_expert_bf16_and_offload(one_process):
         "transformer"]
     assert next(model.card["transformer"].parameters()).dtype == torch.bfloat16
     assert torch.isfinite(trainer.logged_metrics["train/grad_norm/transformer"])
+
+
+def test_a_damaged_zero_shard_is_refused_and_last_falls_back(runs, tmp_path):
+    """A ZeRO shard of the newest checkpoint with flipped bytes: verifying it names the shard file (before
+    DeepSpeed reads anything), and ``last`` falls back to the earlier checkpoint, saying so."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(runs["z3"], "ckpt"), folder, symlinks=True)
+    newest = checkpoints.last_target(str(folder))
+    shards = [rel for rel in checkpoints.files_under(newest) if rel.startswith("transformer/zero/") and "optim_states" in rel]
+    assert shards, checkpoints.files_under(newest)
+    with open(os.path.join(newest, shards[0]), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        f.write(bytes(b ^ 0xFF for b in f.read(4096)))
+    with pytest.raises(checkpoints.CheckpointError, match=re.escape(shards[0]) + r": content differs from the manifest"):
+        checkpoints.verify(newest)
+    said = []
+    chosen = checkpoints.resolve_last(str(folder), said.append)
+    assert chosen is not None and chosen != newest and os.path.basename(chosen) == "epoch=0-step=2.ckpt", (chosen, said)
+    assert any("verifies instead" in line and shards[0] in line for line in said), said
+
+
+def test_full_disk_during_a_sharded_save_keeps_the_earlier_checkpoint(one_process, tmp_path, monkeypatch):
+    """ENOSPC while the ZeRO-3 checkpoint's Lightning state is written: every process stops the save with the
+    folder named and the fix, the temporary folder is removed, and the checkpoint saved before is as it was."""
+    import errno
+
+    from lightning.pytorch import Callback
+
+    def full(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    class Saves(Callback):
+        def on_train_batch_end(self, trainer, *_):
+            trainer.save_checkpoint(str(tmp_path / "good.ckpt"))
+            self.before = {rel: checkpoints.hash_file(str(tmp_path / "good.ckpt" / rel)) for rel in
+                           checkpoints.files_under(str(tmp_path / "good.ckpt"))}
+            with monkeypatch.context() as patch:
+                patch.setattr(checkpoints, "save_state", full)
+                with pytest.raises(checkpoints.CheckpointError, match=r"bad.ckpt' failed \(No space left on device\); "
+                                                                     r"the earlier checkpoints are unchanged. Free space"):
+                    trainer.save_checkpoint(str(tmp_path / "bad.ckpt"))
+
+    saves = Saves()
+    _fit_in_process(card(3), one_process(), callbacks=[saves])
+    assert sorted(os.listdir(tmp_path)) == ["good.ckpt"]
+    checkpoints.verify(str(tmp_path / "good.ckpt"))
+    assert {rel: checkpoints.hash_file(str(tmp_path / "good.ckpt" / rel)) for rel in
+            checkpoints.files_under(str(tmp_path / "good.ckpt"))} == saves.before
+
+
+def test_zero3_experts_from_stored_weights_are_built_partitioned(one_process, tmp_path):
+    """A ZeRO-3 expert with stored weights is built from its folder's config under ``zero.Init`` (partitioned
+    from construction, never whole on a process) and filled module by module from the safetensors: a
+    ``pretrained`` Wan transformer saved in several shards, and the shipped UMT5 (tied embeddings). When
+    training starts, the gathered weights equal ``from_pretrained``'s bitwise."""
+    from lightning.pytorch import Callback, Trainer
+
+    from posttrain.datamodules.synthetic import SyntheticVideos
+    from posttrain.lit.finetune import Finetune
+    from posttrain.modules import presets
+    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
+
+    torch.manual_seed(3)
+    presets.build_model("wan_t2v", preset=h.TINY_WAN).save_pretrained(tmp_path / "wan", max_shard_size="200KB")
+    assert len(presets.weight_files(str(tmp_path / "wan"))) > 1  # an index and its shards
+    references = {"transformer": presets.model_class("wan_t2v").from_pretrained(tmp_path / "wan"),
+                  "text_encoder": presets.model_class("umt5").from_pretrained(presets.TRAINED_ASSETS["umt5"])}
+    built_whole = []
+
+    class Compare(Callback):
+        def on_train_start(self, trainer, pl_module):
+            import deepspeed
+
+            for name, reference in references.items():
+                model = pl_module.card[name]
+                model = getattr(model, "module", model)
+                params = list(model.parameters())
+                assert all(hasattr(p, "ds_id") for p in params)
+                with deepspeed.zero.GatheredParameters(params):
+                    got = dict(model.named_parameters())
+                    differ = [k for k, v in reference.named_parameters() if not torch.equal(v, got[k])]
+                    assert not differ, (name, differ[:3])
+
+    def refuse_whole(*args, **kwargs):
+        built_whole.append(args)
+        raise AssertionError("a ZeRO-3 expert was built whole")
+
+    experts = {
+        "text_encoder": Expert(arch="umt5", sharded=True, zero=ZeroConfig(stage=3)),
+        "vae": Expert(arch="wan_vae"),
+        "transformer": Expert(arch="wan_t2v", pretrained=str(tmp_path / "wan"), trainable=True,
+                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), sharded=True,
+                              zero=ZeroConfig(stage=3)),
+    }
+    model = Finetune(ModelCard(experts), run=RunArgs(**h.SIZE))
+    trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, strategy=one_process(), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Compare()])
+    with mock.patch.object(presets.model_class("wan_t2v"), "from_pretrained", refuse_whole), \
+            mock.patch.object(presets.model_class("umt5"), "from_pretrained", refuse_whole):
+        trainer.fit(model, SyntheticVideos(num_samples=2, batch_size=2, **h.SIZE))
+    assert trainer.global_step == 1 and not built_whole
 
 
 def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process, tmp_path):
