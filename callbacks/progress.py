@@ -17,6 +17,10 @@ class IterationProgressBar(TQDMProgressBar):
     """One bar for the whole run: iteration / ``max_steps`` (resumed runs start where they stopped), with
     the loss, the reward and each trainable expert's learning rate."""
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.on_train_epoch_start(trainer)  # a run resumed inside an epoch starts no epoch before its first batch
+
     def on_train_epoch_start(self, trainer, *_) -> None:
         total = trainer.max_steps if trainer.max_steps > 0 else convert_inf(
             trainer.num_training_batches * max(trainer.max_epochs or 1, 1))
@@ -27,11 +31,19 @@ class IterationProgressBar(TQDMProgressBar):
         bar.n = trainer.global_step
         bar.set_description("iteration")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    # ``global_step`` counts an iteration when ``IterationCounter`` (a model callback, run after this one) ends
+    # its batch: the bar shows the iterations completed when the next one starts, and at the end of training
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         n = trainer.global_step
-        if self._should_update(n, self.train_progress_bar.total):
+        if n > 0 and self._should_update(n, self.train_progress_bar.total):
             _update_n(self.train_progress_bar, n)
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        _update_n(self.train_progress_bar, trainer.global_step)
+        super().on_train_end(trainer, pl_module)
 
     def get_metrics(self, trainer, pl_module) -> dict:
         shown = {}

@@ -113,15 +113,19 @@ def warnings_in(stderr: str) -> list[str]:
 
 def test_default_run_prints_no_warning_and_resumes_its_wandb_run(tmp_path):
     """The default finetune (shortened) through the real command: fit, resume with --ckpt_path last,
-    validate and predict print no warning; the resumed fit continues the first run's W&B run."""
+    validate and predict print no warning; the progress bar counts iterations up to max_steps; the resumed fit
+    continues the first run's W&B run."""
     config = small_config(tmp_path)
     first = posttrain("fit", "--config", config, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert warnings_in(first.stderr) == [], first.stderr
     assert "component" in first.stderr and "transformer_ema" in first.stderr  # one summary row per expert
+    bar = re.findall(r"iteration: .*", first.stdout)[-1]  # the bar's last state: iterations, learning rate, loss
+    assert re.search(r"100%.*\| 4/4 .*lr/transformer=.*loss=", bar), first.stdout[-2000:]
     resumed = posttrain("fit", "--config", config, "--ckpt_path", "last", "--trainer.max_steps", "6", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert warnings_in(resumed.stderr) == [], resumed.stderr
+    assert re.search(r"\| 6/6 ", re.findall(r"iteration: .*", resumed.stdout)[-1]), resumed.stdout[-2000:]
     validated = posttrain("validate", "--config", config, "--ckpt_path", "last", cwd=tmp_path)
     assert validated.returncode == 0 and warnings_in(validated.stderr) == [], validated.stderr
     runs = sorted(os.listdir(tmp_path / "run" / "wandb"))
@@ -129,3 +133,6 @@ def test_default_run_prints_no_warning_and_resumes_its_wandb_run(tmp_path):
     assert len(ids) == 3 and ids[0] == ids[1] and ids[2] != ids[0], runs  # fit, resumed fit, validate
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == sorted(
         ["last.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"])
+    predicted = posttrain("predict", "--config", config, "--ckpt_path", "last", "--data.init_args.num_samples", "2",
+                          cwd=tmp_path)
+    assert predicted.returncode == 0 and warnings_in(predicted.stderr) == [], predicted.stderr
