@@ -77,7 +77,8 @@ def list_items(root: str) -> list[tuple[str, str]]:
             items.append((path, caption))
     if not items:
         raise ValueError(f"VideoFolder: {root!r} holds no media ({', '.join(VIDEO_EXTS + IMAGE_EXTS)}) "
-                         f"and no {METADATA}")
+                         f"and no {METADATA}: put videos or images there (a caption in a .txt of the same name, or "
+                         f"{METADATA}), or point `root` at another folder")
     return items
 
 

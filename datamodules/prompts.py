@@ -15,7 +15,8 @@ from posttrain.datamodules.synthetic import ShapesDataset
 def read_prompts(path: str) -> list[str]:
     """Prompts of a .txt or .jsonl file; a clear error names the file and line of any problem."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file {path!r} does not exist")
+        raise FileNotFoundError(f"prompt file {path!r} does not exist; give `path` a text file with one prompt per "
+                                f"line, or leave it null for the synthetic captions")
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".txt", ".jsonl"):
         raise ValueError(f"prompt file {path!r}: use .txt (one prompt per line) or .jsonl ({{\"prompt\": ...}})")
@@ -37,7 +38,7 @@ def read_prompts(path: str) -> list[str]:
                                  f"got {line[:80]!r}")
             prompts.append(record["prompt"].strip())
     if not prompts:
-        raise ValueError(f"prompt file {path!r} holds no prompts")
+        raise ValueError(f"prompt file {path!r} holds no prompts; write one prompt per line")
     return prompts
 
 

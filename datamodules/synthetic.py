@@ -60,7 +60,7 @@ class ShapesDataset(Dataset):
     def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
                  exclude: Sequence[str] = (), include: Sequence[str] = ()):
         if num_samples < 1:
-            raise ValueError(f"num_samples={num_samples} must be >= 1")
+            raise ValueError(f"num_samples={num_samples} must be >= 1 (synthetic videos per epoch, e.g. 64)")
         self.num_samples, self.frames, self.height, self.width, self.seed = num_samples, frames, height, width, seed
         self.exclude = parse_concepts(exclude, "exclude")
         self.include = parse_concepts(include, "include")

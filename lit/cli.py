@@ -254,6 +254,7 @@ def condense(message: str) -> str:
             name = unknown_class.group(1)
             line = (f"class_path {name!r} is not a class posttrain knows by that name: give its full import path "
                     f"(e.g. `diffusers.{name}`, `torch.optim.{name}`, `posttrain.modules.rewards.{name}`)")
+        line = re.sub(r"Expected a <class '(\w+)'>\. Got value: (.*)$", r"expected type \1, got \2", line)
         lines.append(line.strip().lstrip("- ").strip())
     seen, kept = set(), []
     for line in lines:
@@ -265,9 +266,27 @@ def condense(message: str) -> str:
         or re.search(r"does not accept option '([\w.]+)'", message)
     if unknown:
         kept.append(_suggestion(unknown.group(1)))
+    nested = re.search(r"Option '(\w+)' is not accepted", message)
+    if nested:
+        kept.append(_nested_suggestion(nested.group(1)))
     where = ".".join(k for k in keys if k not in ("init_args",))
+    if where == "config" and "File does not exist" in message:
+        kept.append("check the path; the shipped configs are in configs/ (e.g. configs/finetune.yaml)")
     body = "\n  ".join(k for k in kept if k)
     return f"{where}: {body}" if where else body
+
+
+def _nested_suggestion(name: str) -> str:
+    """The closest setting of an expert, a card's ZeRO or LoRA block, or ``run`` to a misspelt one."""
+    import dataclasses
+
+    from posttrain.lit.base import RunArgs
+    from posttrain.modules.cards import Expert, LoraConfig, ZeroConfig
+
+    known = {f.name for cls in (Expert, ZeroConfig, LoraConfig, RunArgs) for f in dataclasses.fields(cls)}
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    return f"{hint}(`posttrain fit --config C --print_config` shows every key a config accepts)"
 
 
 def _suggestion(option: str) -> str:

@@ -56,7 +56,7 @@ class DiffusionNFT(ExpertModule):
         problems = self.card_problems("diffusion_nft")
         if num_samples_per_prompt < 2:
             problems.append(f"num_samples_per_prompt={num_samples_per_prompt} must be >= 2: group advantages "
-                            f"compare K samples of one prompt")
+                            f"compare K samples of one prompt (Flow-GRPO uses 8 to 24)")
         if beta <= 0:
             problems.append(f"beta={beta} must be > 0")
         if kl_beta < 0:

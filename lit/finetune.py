@@ -46,9 +46,9 @@ class Finetune(ExpertModule):
         super().__init__(card, sampler, run)
         problems = self.card_problems("finetune")
         if not 0.0 <= caption_dropout < 1.0:
-            problems.append(f"caption_dropout={caption_dropout} must be in [0, 1)")
+            problems.append(f"caption_dropout={caption_dropout} must be in [0, 1) (e.g. 0.1; 0 keeps every caption)")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            problems.append(f"ema_decay={ema_decay} must be in (0, 1)")
+            problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.999; null turns EMA off)")
         if problems:
             raise ValueError("finetune:\n  - " + "\n  - ".join(problems))
         self.sigma_sampling, self.shift = sigma_sampling, shift

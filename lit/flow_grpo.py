@@ -55,11 +55,11 @@ class FlowGRPO(ExpertModule):
         problems = self.card_problems("flow_grpo")
         if num_samples_per_prompt < 2:
             problems.append(f"num_samples_per_prompt={num_samples_per_prompt} must be >= 2: group advantages "
-                            f"compare K samples of one prompt")
+                            f"compare K samples of one prompt (Flow-GRPO uses 8 to 24)")
         if not 0.0 < timestep_fraction <= 1.0:
             problems.append(f"timestep_fraction={timestep_fraction} must be in (0, 1]")
         if clip_range <= 0:
-            problems.append(f"clip_range={clip_range} must be > 0")
+            problems.append(f"clip_range={clip_range} must be > 0 (PPO's ε; the default is 1e-3)")
         if kl_beta < 0:
             problems.append(f"kl_beta={kl_beta} must be >= 0")
         if num_inner_epochs < 1 or num_minibatches < 1:

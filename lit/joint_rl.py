@@ -252,7 +252,8 @@ class JointRL(ExpertModule):
                 problems.append("joint=false freezes the generator, but the card's transformer is trainable=true: "
                                 "set `trainable: false` and remove its optimizer")
         if K < 2:
-            problems.append(f"num_samples_per_prompt={K} must be >= 2: group advantages compare K samples of a prompt")
+            problems.append(f"num_samples_per_prompt={K} must be >= 2: group advantages compare K samples of a prompt "
+                            f"(Flow-GRPO uses 8 to 24)")
         if not 0 <= S < K:
             problems.append(f"num_skip_refinement={S} must be in [0, num_samples_per_prompt={K}): at least one "
                             f"sample per prompt must use the refinements")
@@ -269,7 +270,7 @@ class JointRL(ExpertModule):
         if not 0.0 < timestep_fraction <= 1.0:
             problems.append(f"timestep_fraction={timestep_fraction} must be in (0, 1]")
         if clip_range <= 0:
-            problems.append(f"clip_range={clip_range} must be > 0")
+            problems.append(f"clip_range={clip_range} must be > 0 (PPO's ε; the default is 1e-3)")
         if table_every < 1:
             problems.append(f"table_every_n_iterations={table_every} must be >= 1")
         if joint and not bool(self.sampler.sde_steps().any()):

@@ -262,11 +262,12 @@ class WorkflowRL(Workflow):
         if credit not in ("shared", "per_stage"):
             problems.append(f"credit={credit!r}; choose 'shared' or 'per_stage'")
         if K < 2:
-            problems.append(f"num_samples_per_prompt={K} must be >= 2: group advantages compare K samples of a prompt")
+            problems.append(f"num_samples_per_prompt={K} must be >= 2: group advantages compare K samples of a prompt "
+                            f"(Flow-GRPO uses 8 to 24)")
         if not 0.0 < timestep_fraction <= 1.0:
             problems.append(f"timestep_fraction={timestep_fraction} must be in (0, 1]")
         if clip_range <= 0:
-            problems.append(f"clip_range={clip_range} must be > 0")
+            problems.append(f"clip_range={clip_range} must be > 0 (PPO's ε; the default is 1e-3)")
         if kl_beta < 0 or refiner_kl < 0:
             problems.append(f"kl_beta={kl_beta} and refiner_kl={refiner_kl} must be >= 0")
         if credit == "per_stage" and not problems:

@@ -43,7 +43,7 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     treated as a constant. Metrics: ``ratio_mean``, ``clip_frac`` (share with |ratio-1| > ε),
     ``approx_kl`` (mean ½(lp - lp_old)²)."""
     if clip_range <= 0:
-        raise ValueError(f"clip_range={clip_range} must be > 0")
+        raise ValueError(f"clip_range={clip_range} must be > 0 (PPO's ε; the default is 1e-3)")
     diff = log_prob.float() - old_log_prob.detach().float()
     ratio = torch.exp(diff)
     unclipped = -advantages * ratio

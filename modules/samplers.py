@@ -193,7 +193,7 @@ class FlowMatchSampler:
                  noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None,
                  step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None):
         if num_steps < 1:
-            raise ValueError(f"sampler: num_steps={num_steps} must be >= 1")
+            raise ValueError(f"sampler: num_steps={num_steps} must be >= 1 (e.g. 20; a distilled student 4)")
         if step_sigmas is not None:
             steps = [float(s) for s in step_sigmas]
             if not steps:
