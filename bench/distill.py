@@ -1,5 +1,5 @@
-"""DMD2 distillation: the few-step student's sampling time against the teacher's, and how close its samples
-come to the teacher's many-step CFG samples, before and after ``fit``.
+"""DMD2 and Self-Forcing distillation: the few-step student's sampling time against the teacher's, and how close
+its samples come to the teacher's many-step CFG samples, before and after ``fit``.
 
 1. Time: one batch of the served student (the config's few-step sampler, no CFG) against the teacher's
    sampler (the config's ``teacher_sampler``: many steps with CFG, two forwards a step), VAE decoding
@@ -7,15 +7,19 @@ come to the teacher's many-step CFG samples, before and after ``fit``.
 2. Closeness, on ``--prompts`` seen-concept synthetic captions with fixed seeds, each set against the teacher's
    many-step CFG samples of the same prompts and noise: the Fréchet VAE distance of the frames
    (``modules/frechet.py``), the latent MSE from the same noise, and synthetic GenEval of each set (the teacher's
-   own is the target). Rows: the teacher run with the student's few steps (which is also the student before
-   training: it starts from the teacher's weights) and the student after ``fit`` of the config in this process.
+   own is the target). Rows: the teacher run with the student's few steps (whole video at once), the student
+   before training (it starts from the teacher's weights: for DMD2 the same samples as the row above, for
+   Self-Forcing the teacher's weights run chunk by chunk with the KV cache) and after ``fit`` of the config in
+   this process.
 
     python bench/distill.py                          # configs/dmd2.yaml, a few minutes on 2 CPU cores
+    python bench/distill.py --config configs/self_forcing.yaml --grid docs/distill/self_forcing.png
     python bench/distill.py --steps 100 --prompts 32
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -30,6 +34,7 @@ from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # n
 from posttrain.lit.cli import PosttrainCLI  # noqa: E402
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
 from posttrain.modules.geneval import SyntheticGenEval  # noqa: E402
+from posttrain.modules.media import grid  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,6 +76,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=5, help="timing blocks")
+    parser.add_argument("--grid", default=None, help="write a PNG of the first 4 prompts' samples (every row) here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sys, "argv", sys.argv[:1]):
@@ -100,11 +106,15 @@ def main() -> None:
         target = SyntheticGenEval()
         target.update(teacher[1], prompts)
         target = {k: float(v) for k, v in target.compute().items()}
-        before = closeness(prompts, teacher, samples(module, prompts, student_sampler, "teacher", args.batch))
+        whole = copy.copy(student_sampler)
+        whole.chunk_frames = None  # the bidirectional teacher takes the whole video in one pass
+        sets = {"few": samples(module, prompts, whole, "teacher", args.batch),
+                "before": samples(module, prompts, student_sampler, "transformer", args.batch)}
         module.train()
         cli.trainer.fit(module, datamodule=cli.datamodule)
         module.eval()
-        after = closeness(prompts, teacher, samples(module, prompts, student_sampler, "transformer", args.batch))
+        sets["after"] = samples(module, prompts, student_sampler, "transformer", args.batch)
+        few, before, after = (closeness(prompts, teacher, sets[k]) for k in ("few", "before", "after"))
     steps = cli.trainer.global_step
     print(f"\n{len(prompts)} seen-concept prompts; reference: the teacher, {teacher_sampler.num_steps} steps, CFG "
           f"{teacher_sampler.guidance_scale} (its GenEval all {target['all']:.3f}; shape / colour / background / "
@@ -112,8 +122,24 @@ def main() -> None:
           f"{target['motion']:.2f})")
     print(f"\n| {student_sampler.num_steps}-step samples | Fréchet VAE distance to the teacher | latent MSE (same "
           f"noise) | GenEval all | shape / colour / background / motion |\n|---|---|---|---|---|")
-    print(row("teacher = student before training", before))
-    print(row(f"student after {steps} iterations of DMD2", after))
+    method = type(module).__name__
+    if student_sampler.chunk_frames is None:
+        print(row("teacher = student before training", before))
+    else:
+        print(row("teacher, whole video", few))
+        print(row(f"student before training (the teacher's weights, chunks of {student_sampler.chunk_frames} latent "
+                  f"frame(s), KV cache)", before))
+    print(row(f"student after {steps} iterations of {method}", after))
+    if args.grid:
+        labels = {"few": f"teacher, {student_sampler.num_steps} steps", "before": "student before",
+                  "after": f"student after {steps} iterations"}
+        rows = []
+        for i in range(min(4, len(prompts))):
+            rows.append((f"{prompts[i][:60]}: teacher, {teacher_sampler.num_steps} steps, CFG", teacher[1][i]))
+            rows += [(f"{labels[k]}", sets[k][1][i]) for k in (("few", "before", "after") if student_sampler.chunk_frames
+                                                                else ("before", "after"))]
+        grid(rows, scale=4).save(args.grid)
+        print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
 
 
 if __name__ == "__main__":

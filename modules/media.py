@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 
 def to_frames(video: torch.Tensor) -> np.ndarray:
@@ -50,3 +50,20 @@ def write_media(path: str, video: torch.Tensor, fps: int = 8) -> str:
     else:
         raise ValueError(f"unsupported media extension {ext!r} for {path}; use .mp4, .gif or .png")
     return path
+
+
+def grid(rows: list[tuple[str, torch.Tensor]], scale: int) -> Image.Image:
+    """A sheet of videos to look at: one row per (label, (3, F, H, W) video), the label above the F frames side
+    by side, each frame enlarged ``scale`` times (nearest neighbour)."""
+    frames = [to_frames(video) for _, video in rows]  # (F, H, W, 3) uint8 each
+    f, h, w, _ = frames[0].shape
+    label_h, pad = 14, 4
+    canvas = Image.new("RGB", (f * (w * scale + pad) + pad, len(rows) * (h * scale + label_h + pad) + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    for r, ((label, _), video) in enumerate(zip(rows, frames)):
+        top = pad + r * (h * scale + label_h + pad)
+        draw.text((pad, top), label, fill="black")
+        for i, frame in enumerate(video):
+            image = Image.fromarray(frame).resize((w * scale, h * scale), Image.NEAREST)
+            canvas.paste(image, (pad + i * (w * scale + pad), top + label_h))
+    return canvas

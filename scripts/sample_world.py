@@ -14,31 +14,14 @@ import argparse
 import os
 
 import torch
-from PIL import Image, ImageDraw
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.modules import presets
 from posttrain.modules.evaluation import generate
 from posttrain.modules.geneval import read_facts
-from posttrain.modules.media import slug, to_frames, write_media
+from posttrain.modules.media import grid, slug, write_media
 from posttrain.modules.samplers import FlowMatchSampler
 from posttrain.modules.world import caption, parse_caption, render
-
-
-def grid(rows: list[tuple[str, torch.Tensor]], scale: int) -> Image.Image:
-    """One row per (label, (3, F, H, W) video): the label, then the F frames side by side."""
-    frames = [to_frames(video) for _, video in rows]  # (F, H, W, 3) uint8 each
-    f, h, w, _ = frames[0].shape
-    label_h, pad = 14, 4
-    canvas = Image.new("RGB", (f * (w * scale + pad) + pad, len(rows) * (h * scale + label_h + pad) + pad), "white")
-    draw = ImageDraw.Draw(canvas)
-    for r, ((label, _), video) in enumerate(zip(rows, frames)):
-        top = pad + r * (h * scale + label_h + pad)
-        draw.text((pad, top), label, fill="black")
-        for i, frame in enumerate(video):
-            image = Image.fromarray(frame).resize((w * scale, h * scale), Image.NEAREST)
-            canvas.paste(image, (pad + i * (w * scale + pad), top + label_h))
-    return canvas
 
 
 def describe(video: torch.Tensor) -> str:

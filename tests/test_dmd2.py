@@ -268,11 +268,10 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
 
 
 # ---------------------------------------------------------------------- learning, against the pretrained world's teacher
-def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
-    """configs/dmd2.yaml (the shipped world's generator as teacher: 20 steps, CFG 4.5) for 100 iterations: the
-    4-step student's samples of 16 seen-concept prompts come closer to the teacher's samples of the same prompts and
-    noise — Fréchet VAE distance and latent MSE fall, synthetic GenEval rises — than at the start, where the student
-    is the teacher's weights run with the same 4 steps (bench/distill.py measures the same at 200 iterations)."""
+def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int = 16):
+    """``config`` for ``steps`` iterations in this process; the student's samples of seen-concept prompts
+    measured against the teacher's many-step CFG samples of the same prompts and noise before and after
+    (bench/distill.py's measure). Returns (module, before, after, student weights before)."""
     import os
     import sys
     from unittest import mock
@@ -284,20 +283,30 @@ def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     from posttrain.lit.cli import PosttrainCLI
 
     with mock.patch.object(sys, "argv", sys.argv[:1]):
-        cli = PosttrainCLI(args=["--config", "configs/dmd2.yaml", "--trainer.default_root_dir", str(tmp_path),
+        cli = PosttrainCLI(args=["--config", config, "--trainer.default_root_dir", str(tmp_path),
                                  "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
                                  "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
-                                 "--trainer.max_steps", "100"], run=False)
+                                 "--trainer.max_steps", str(steps), *args], run=False)
     module = cli.model
     module.configure_model()
     module.eval()
-    data = ShapesDataset(16, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
-    prompts = [data[i]["prompt"] for i in range(16)]
-    teacher = samples(module, prompts, module.teacher_sampler, "teacher", 8)
-    before = closeness(prompts, teacher, samples(module, prompts, module.sampler, "transformer", 8))
+    data = ShapesDataset(prompts, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
+    captions = [data[i]["prompt"] for i in range(prompts)]
+    teacher = samples(module, captions, module.teacher_sampler, "teacher", 8)
+    before = closeness(captions, teacher, samples(module, captions, module.sampler, "transformer", 8))
+    start = weights(module, "transformer")
     module.train()
     cli.trainer.fit(module, datamodule=cli.datamodule)
     module.eval()
-    after = closeness(prompts, teacher, samples(module, prompts, module.sampler, "transformer", 8))
+    after = closeness(captions, teacher, samples(module, captions, module.sampler, "transformer", 8))
+    return module, before, after, start
+
+
+def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
+    """configs/dmd2.yaml (the shipped world's generator as teacher: 20 steps, CFG 4.5) for 100 iterations: the
+    4-step student's samples of 16 seen-concept prompts come closer to the teacher's samples of the same prompts and
+    noise — Fréchet VAE distance and latent MSE fall, synthetic GenEval rises — than at the start, where the student
+    is the teacher's weights run with the same 4 steps (bench/distill.py measures the same at 200 iterations)."""
+    _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 100)
     assert after["frechet"] < before["frechet"] and after["latent_mse"] < before["latent_mse"], (before, after)
     assert after["all"] > before["all"], (before, after)
