@@ -9,7 +9,7 @@ import sys
 import imageio.v2 as imageio
 import pytest
 import torch
-from diffusers import WanPipeline, WanTransformer3DModel
+from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
 from posttrain.callbacks.writer import MediaWriter
 from posttrain.datamodules.prompts import Prompts
@@ -50,14 +50,16 @@ PROMPTS = ["a red circle moving left on a blue background", "a yellow square mov
 SIZE = RunArgs(frames=5, height=16, width=16)
 
 
-def trained(tmp_path, name: str, guidance: float = 1.0, **card_kwargs):
-    """A finetune of 2 iterations (lr 1e-2, EMA 0.9, 4 sampler steps) and its checkpoint."""
+def trained(tmp_path, name: str, guidance: float = 1.0, scheduler=None, **card_kwargs):
+    """A finetune of 2 iterations (lr 1e-2, EMA 0.9, 4 sampler steps; the sampler's default scheduler unless one is
+    given) and its checkpoint."""
     from posttrain.modules.samplers import FlowMatchSampler
 
     card = wan_card(lr=1e-2)
     for key, value in card_kwargs.items():
         setattr(card.specs["transformer"], key, value)
-    module = Finetune(card, sampler=FlowMatchSampler(num_steps=4, guidance_scale=guidance), caption_dropout=0.0,
+    sampler = FlowMatchSampler(num_steps=4, guidance_scale=guidance, scheduler=scheduler)
+    module = Finetune(card, sampler=sampler, caption_dropout=0.0,
                       ema_decay=0.9 if not card_kwargs else None, run=SIZE)
     trainer = quick_trainer(max_steps=2, default_root_dir=tmp_path)
     trainer.fit(module, SyntheticVideos(num_samples=8, batch_size=2))
@@ -76,19 +78,25 @@ def pipeline_latents(pipe: WanPipeline, module: Finetune, seed: int) -> torch.Te
                 num_frames=SIZE.frames, height=SIZE.height, width=SIZE.width, output_type="latent").frames
 
 
-@pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["no_cfg", "cfg3"])
-def test_exported_pipeline_reproduces_predict(tmp_path, guidance):
+@pytest.mark.parametrize("guidance,unipc", [(1.0, False), (3.0, False), (3.0, True)],
+                         ids=["no_cfg", "cfg3", "unipc_cfg3"])
+def test_exported_pipeline_reproduces_predict(tmp_path, guidance, unipc):
     """The exported folder run by the real WanPipeline gives the package's own samples (EMA transformer,
-    scheduler, text stack, VAE) from the same noise: max |Δ| < 1e-4 in float32, latents and pixels."""
-    module, ckpt = trained(tmp_path, "run", guidance=guidance)
+    scheduler, text stack, VAE) from the same noise: max |Δ| < 1e-4 in float32, latents and pixels. With UniPC
+    (the multistep solver Wan ships) serving, the exported scheduler is UniPC with the same settings."""
+    scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0) \
+        if unipc else None
+    module, ckpt = trained(tmp_path, "run", guidance=guidance, scheduler=scheduler)
     out = export(ckpt, str(tmp_path / "pipe"))
     assert sorted(os.listdir(out)) == ["model_index.json", "scheduler", "serving.json", "text_encoder", "tokenizer",
                                        "transformer", "vae"]
     pipe = WanPipeline.from_pretrained(out)
+    assert type(pipe.scheduler) is type(module.sampler.scheduler)
+    assert pipe.scheduler.config.get("flow_shift") == module.sampler.scheduler.config.get("flow_shift")
     ours = module.generate(PROMPTS, seed=7, latents_only=True)
     theirs = pipeline_latents(pipe, module, seed=7)
     gap = (ours - theirs).abs().max().item()
-    print(f"WanPipeline vs predict, guidance {guidance}: max |Δ latents| = {gap:.2e}")
+    print(f"WanPipeline ({type(pipe.scheduler).__name__}) vs predict, guidance {guidance}: max |Δ latents| = {gap:.2e}")
     assert gap < 1e-4
     pixels = module.stage.decode(ours)
     video = pipe.vae.decode(theirs / (1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1))
