@@ -52,7 +52,7 @@ GIB = 2**30
 # per architecture: the config key(s) that count identical layers (activations are traced with 1 and 2)
 LAYER_KEYS: dict[str, tuple[str, ...]] = {
     "wan_t2v": ("num_layers",), "wan_i2v": ("num_layers",), "wan_t2v_causal": ("num_layers",),
-    "qwen2": ("num_hidden_layers",),
+    "qwen2": ("num_hidden_layers",), "flux": ("num_layers", "num_single_layers"),
 }
 
 
@@ -184,6 +184,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
 
     # 2. per component: weights, gradients, optimizer state
     rows, rows_note = activation_rows(method, data_batch)
+    whole_rows = activation_rows(method, data_batch, micro=False)[0]  # other trained experts (refiners)
+    generator = getattr(getattr(method, "stage", None), "transformer", "transformer")
     components = []
     for name, model in card.models.items():
         if name in card.roles:
@@ -205,7 +207,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             if spec is None or not spec.trainable:
                 continue
             try:
-                c.activation_bytes, note = activation_bytes(spec, card, method, rows, cast, autocast)
+                c.activation_bytes, note = activation_bytes(spec, card, method, rows if c.name == generator
+                                                            else whole_rows, cast, autocast)
             except Exception as err:  # an architecture the trace cannot run: say so, keep the rest
                 c.activation_bytes, note = None, f"activations not estimated ({type(err).__name__}: {err})"
             if note:
@@ -340,8 +343,8 @@ def meta_model(spec: Expert) -> nn.Module:
                                                              **kwargs))
         else:
             model = presets.build_model(spec.arch, preset=spec.preset)
-        if spec.dtype != "float32":
-            model = model.to(torch.bfloat16)
+        if spec.dtype != "float32":  # as from_pretrained(torch_dtype=...): its float32 modules stay float32
+            model = presets.cast(model, torch.bfloat16)
         if spec.lora is not None:
             from peft import LoraConfig as PeftLoraConfig
 
@@ -469,15 +472,19 @@ def deepspeed_estimate(spec: Expert, model: nn.Module, world: int, devices: Opti
 
 
 # ---------------------------------------------------------------------- activations
-def activation_rows(method, data_batch: int) -> tuple[int, str]:
-    """Rows of one training forward of the generator, and how they were counted."""
+def activation_rows(method, data_batch: int, micro: bool = True) -> tuple[int, str]:
+    """Rows of one training forward of the generator, and how they were counted (``micro``: at most the
+    method's ``micro_batch_size``, which only the generator's forward follows)."""
     K = getattr(method, "num_samples_per_prompt", None)
     if K is None:
         return data_batch, f"{data_batch} rows (data batch) per training forward"
     minibatches = getattr(method, "num_minibatches", 1)
     rows = math.ceil(data_batch * K / minibatches)
+    micro = getattr(method, "micro_batch_size", None) if micro else None
     cfg = getattr(method, "guidance_scale", 1.0) not in (None, 1.0)
     text = f"{data_batch} prompts x K={K}" + (f" / {minibatches} minibatches" if minibatches > 1 else "")
+    if micro is not None and micro < rows:
+        rows, text = micro, text + f", in micro-batches of {micro}"
     if cfg:
         rows *= 2
         text += " x 2 (CFG)"
@@ -503,24 +510,31 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Opt
         return None, f"activations not estimated for arch {spec.arch!r}"
     config = meta_model(spec).config
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    layers = config[keys[0]]
     trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast)
-    saved = [trace(_with_layers(config, keys[0], n)) for n in (1, 2)]
-    per_layer = saved[1] - saved[0]
+    one = {key: 1 for key in keys}  # every kind of block once (FLUX has double- and single-stream blocks)
+
+    def blocks(checkpointing: Optional[bool] = None) -> tuple[int, dict[str, int]]:
+        """Saved bytes with one block of each kind, and what one more block of each kind adds."""
+        base = trace(_with_layers(config, one), checkpointing=checkpointing)
+        return base, {key: trace(_with_layers(config, {**one, key: 2}), checkpointing=checkpointing) - base
+                      for key in keys}
+
+    base, per_block = blocks()
+    total = base + sum((config[key] - 1) * per_block[key] for key in keys)
     note = ("traced without the LoRA adapter, every weight trainable: an upper bound (peft cannot move fake "
             "tensors)") if spec.lora is not None else ""
     if spec.gradient_checkpointing:
         # checkpointed blocks keep their inputs; backward recomputes one block's activations at a time
-        full = [trace(_with_layers(config, keys[0], n), checkpointing=False) for n in (1, 2)]
-        return saved[0] + (layers - 1) * per_layer + (full[1] - full[0]), note
-    return saved[0] + (layers - 1) * per_layer, note
+        _, full = blocks(checkpointing=False)
+        return total + max(full.values()), note
+    return total, note
 
 
-def _with_layers(config: dict, key: str, n: int) -> dict:
-    """``config`` with ``n`` layers (a transformers config's per-layer lists cut to match)."""
-    out = dict(config, **{key: n})
+def _with_layers(config: dict, layers: dict[str, int]) -> dict:
+    """``config`` with the given numbers of layers (a transformers config's per-layer lists cut to match)."""
+    out = dict(config, **layers)
     if isinstance(out.get("layer_types"), list):
-        out["layer_types"] = out["layer_types"][:n]
+        out["layer_types"] = out["layer_types"][:max(layers.values())]
     return out
 
 
@@ -572,6 +586,18 @@ def _input_shapes(arch: str, config: dict, card: ModelCard, method, rows: int) -
         _, f, h, w = method.stage.latent_shape(method.video)
         return dict(hidden_states=(rows, config["in_channels"], f, h, w), timestep=(rows,),
                     encoder_hidden_states=(rows, card.text_max_length, config["text_dim"]))
+    if arch == "flux":  # FluxPipeline's packed 2x2 latent tokens, T5 states, CLIP pooled, position ids
+        if "vae" not in card.models:
+            raise ValueError("estimate: the generator's latent size needs the card's `vae`")
+        _, _, h, w = method.stage.latent_shape(method.video)
+        tokens, length = (h // 2) * (w // 2), card.text_max_length
+        shapes = dict(hidden_states=(rows, tokens, config["in_channels"]), timestep=(rows,),
+                      encoder_hidden_states=(rows, length, config["joint_attention_dim"]),
+                      pooled_projections=(rows, config["pooled_projection_dim"]), img_ids=(tokens, 3),
+                      txt_ids=(length, 3))
+        if config.get("guidance_embeds"):
+            shapes["guidance"] = (rows,)
+        return shapes
     if arch == "qwen2":
         return dict(input_ids=(rows, card.text_max_length + getattr(method, "max_new_tokens", 0)))
     raise ValueError(f"no activation inputs for arch {arch!r}")

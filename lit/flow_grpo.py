@@ -40,6 +40,9 @@ class FlowGRPO(ExpertModule):
         adv_clip: advantages are clipped to ±adv_clip.
         num_inner_epochs: passes over each rollout batch.
         num_minibatches: minibatches per pass (each one optimizer step).
+        micro_batch_size: rows per training forward: each step's loss is computed and backed up in chunks of this
+            many samples (gradients accumulate; the update is the same up to float rounding), which bounds the
+            activation memory; None = a minibatch at once.
         drop_zero_advantage: leave samples with advantage exactly 0 out of the update; a batch with
             none left makes no optimizer step (a constant reward changes nothing, Adam moments included).
         run: size of generated videos, seed, NaN tolerance.
@@ -50,7 +53,7 @@ class FlowGRPO(ExpertModule):
                  kl_beta: float = 0.004, guidance_scale: float = 1.0,
                  advantage_std: Literal["group", "global"] = "group", adv_clip: float = 5.0,
                  num_inner_epochs: int = 1, num_minibatches: int = 1, drop_zero_advantage: bool = True,
-                 run: Optional[RunArgs] = None):
+                 micro_batch_size: Optional[int] = None, run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
         problems = self.card_problems("flow_grpo")
         if num_samples_per_prompt < 2:
@@ -64,6 +67,8 @@ class FlowGRPO(ExpertModule):
             problems.append(f"kl_beta={kl_beta} must be >= 0")
         if num_inner_epochs < 1 or num_minibatches < 1:
             problems.append(f"num_inner_epochs={num_inner_epochs} and num_minibatches={num_minibatches} must be >= 1")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            problems.append(f"micro_batch_size={micro_batch_size} must be >= 1 (rows per training forward; null: all)")
         if not bool(self.sampler.sde_steps().any()):
             problems.append("the sampler's sde_window holds no step")
         if not self.sampler.euler:
@@ -78,6 +83,7 @@ class FlowGRPO(ExpertModule):
         self.advantage_std, self.adv_clip = advantage_std, adv_clip
         self.num_inner_epochs, self.num_minibatches = num_inner_epochs, num_minibatches
         self.drop_zero_advantage = drop_zero_advantage
+        self.micro_batch_size = micro_batch_size
 
     def setup_roles(self) -> None:
         if self.kl_beta > 0:  # a LoRA generator's reference is itself with the adapter off (no copy)
@@ -126,7 +132,8 @@ class FlowGRPO(ExpertModule):
                 steps = train_steps(self.sampler, self.timestep_fraction, self.generator)
                 self.step_experts(ppo_step_losses(self.stage, self.sampler, traj, steps, cond, advantages,
                                                   self.clip_range, self.kl_beta, uncond, self.guidance_scale,
-                                                  index=index, reference=reference, metrics=metrics),
+                                                  index=index, reference=reference, metrics=metrics,
+                                                  micro_batch=self.micro_batch_size),
                                   ["transformer"])
 
         # 7. log

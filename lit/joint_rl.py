@@ -67,6 +67,8 @@ class JointRL(ExpertModule):
         advantage_std: normalize advantages by the group's std or the whole batch's.
         adv_clip: advantages are clipped to ±adv_clip.
         table_every_n_iterations: log a W&B table of prompts, refinements and rewards this often.
+        micro_batch_size: rows per training forward of the generator (as flow_grpo's: the same update, activation
+            memory of that many rows); None = every kept sample at once.
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -78,12 +80,15 @@ class JointRL(ExpertModule):
                  refiner_kl: float = 0.01, timestep_fraction: float = 0.5, clip_range: float = 1e-3,
                  kl_beta: float = 0.004, guidance_scale: float = 1.0,
                  advantage_std: Literal["group", "global"] = "group", adv_clip: float = 5.0,
-                 table_every_n_iterations: int = 50, run: Optional[RunArgs] = None):
+                 table_every_n_iterations: int = 50, micro_batch_size: Optional[int] = None,
+                 run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
         self.reward = reward if reward is not None else ColourAlignment()
         problems = self._problems(card, num_samples_per_prompt, num_skip_refinement, credit, generator_term, joint,
                                   max_new_tokens, temperature, refiner_template, refiner_kl, timestep_fraction,
                                   clip_range, kl_beta, table_every_n_iterations)
+        if micro_batch_size is not None and micro_batch_size < 1:
+            problems.append(f"micro_batch_size={micro_batch_size} must be >= 1 (rows per training forward; null: all)")
         if problems:
             raise ValueError("joint_rl:\n  - " + "\n  - ".join(problems))
         self.num_samples_per_prompt, self.num_skip_refinement = num_samples_per_prompt, num_skip_refinement
@@ -94,6 +99,7 @@ class JointRL(ExpertModule):
         self.guidance_scale = guidance_scale
         self.advantage_std, self.adv_clip = advantage_std, adv_clip
         self.table_every = table_every_n_iterations
+        self.micro_batch_size = micro_batch_size
         self.served: dict[str, str] = {}  # prompt -> composed prompt of the last `generate`
 
     def setup_roles(self) -> None:
@@ -179,7 +185,7 @@ class JointRL(ExpertModule):
             self.step_experts(ppo_step_losses(self.stage, self.sampler, traj, steps, cond, generator_advantages,
                                               self.clip_range, self.kl_beta, uncond, self.guidance_scale, index=keep,
                                               reference="transformer_reference" if self.kl_beta > 0 else None,
-                                              metrics=metrics), ["transformer"])
+                                              metrics=metrics, micro_batch=self.micro_batch_size), ["transformer"])
             metrics = mean_metrics(metrics)
             self.log("train/loss/transformer", metrics["loss"], on_step=True)
             self.log("train/ppo_ratio_mean", metrics["ratio_mean"], on_step=True)

@@ -2,7 +2,8 @@
 layout, so that ``posttrain estimate`` (which builds every expert on the meta device from its config) runs on
 the recipes without the weights. No weights are written and nothing is downloaded: the configs are those the
 hub folders ship (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, Wan-AI/Wan2.1-T2V-14B-Diffusers, Qwen/Qwen2.5-0.5B-Instruct,
-black-forest-labs/FLUX.1-dev).
+black-forest-labs/FLUX.1-dev, openai/clip-vit-large-patch14 — the CLIPScore reward's folder, whose model estimate
+does not count: it is not an expert of the card).
 
     python scripts/config_folders.py --out /models
     posttrain estimate --config configs/recipes/wan2.1_t2v_1.3b_finetune.yaml --devices 8
@@ -14,7 +15,7 @@ import os
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
-from transformers import CLIPTextConfig, Qwen2Config, T5Config, UMT5Config
+from transformers import CLIPConfig, CLIPTextConfig, Qwen2Config, T5Config, UMT5Config
 
 WAN = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
            freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
@@ -37,6 +38,8 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
 CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                    num_attention_heads=12, max_position_embeddings=77, projection_dim=768,
                    architectures=["CLIPTextModel"])
+CLIP_L_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                     image_size=224, patch_size=14, projection_dim=768)
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", tie_word_embeddings=False, architectures=["T5EncoderModel"])
 
@@ -64,6 +67,9 @@ def main() -> None:
     wan_folder(os.path.join(out, "Wan2.1-T2V-14B-Diffusers"), WAN_14B)
     Qwen2Config(**QWEN_0_5B).save_pretrained(os.path.join(out, "Qwen2.5-0.5B-Instruct"))
     flux_folder(os.path.join(out, "FLUX.1-dev"))
+    text = {k: v for k, v in CLIP_L_TEXT.items() if k != "architectures"}
+    CLIPConfig(text_config=text, vision_config=CLIP_L_VISION, projection_dim=768,
+               architectures=["CLIPModel"]).save_pretrained(os.path.join(out, "clip-vit-large-patch14"))
     print(f"config folders (no weights) under {out}")
 
 

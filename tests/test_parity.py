@@ -66,6 +66,27 @@ def test_per_step_backward_equals_one_backward_of_the_sum(rolled):
     transformer.zero_grad(set_to_none=True)
 
 
+def test_micro_batches_give_the_gradients_of_the_whole_batch(rolled):
+    """``micro_batch=1``: each step's loss in chunks of one row (activation memory of one row), backed up one
+    after another, gives the gradients of the whole batch's per-step backward, and logs the same losses."""
+    stage, sampler, cond, uncond, traj = rolled
+    transformer = stage.card["transformer"]
+    args = (stage, sampler, traj, [0, 1, 3], cond, torch.tensor([0.7, -1.2]), 1e-3, 0.1, uncond, 2.0)
+    whole_metrics, micro_metrics = {}, {}
+    for part in ppo_step_losses(*args, reference="transformer", metrics=whole_metrics):
+        part().backward()
+    whole = [p.grad.clone() for p in transformer.parameters()]
+    transformer.zero_grad(set_to_none=True)
+    parts = ppo_step_losses(*args, reference="transformer", metrics=micro_metrics, micro_batch=1)
+    assert len(parts) == 3 * 2
+    for part in parts:
+        part().backward()
+    for a, p in zip(whole, transformer.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(mean_metrics(micro_metrics)["loss"], mean_metrics(whole_metrics)["loss"])
+    transformer.zero_grad(set_to_none=True)
+
+
 class FakeTrainer:
     global_step = 0
 
