@@ -136,8 +136,8 @@ def main() -> None:
         rows = []
         for i in range(min(4, len(prompts))):
             rows.append((f"{prompts[i][:60]}: teacher, {teacher_sampler.num_steps} steps, CFG", teacher[1][i]))
-            rows += [(f"{labels[k]}", sets[k][1][i]) for k in (("few", "before", "after") if student_sampler.chunk_frames
-                                                                else ("before", "after"))]
+            shown = ("few", "before", "after") if student_sampler.chunk_frames else ("before", "after")
+            rows += [(labels[k], sets[k][1][i]) for k in shown]
         grid(rows, scale=4).save(args.grid)
         print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
 

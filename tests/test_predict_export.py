@@ -96,7 +96,8 @@ def test_exported_pipeline_reproduces_predict(tmp_path, guidance, unipc):
     ours = module.generate(PROMPTS, seed=7, latents_only=True)
     theirs = pipeline_latents(pipe, module, seed=7)
     gap = (ours - theirs).abs().max().item()
-    print(f"WanPipeline ({type(pipe.scheduler).__name__}) vs predict, guidance {guidance}: max |Δ latents| = {gap:.2e}")
+    print(f"WanPipeline ({type(pipe.scheduler).__name__}) vs predict, guidance {guidance}: "
+          f"max |Δ latents| = {gap:.2e}")
     assert gap < 1e-4
     pixels = module.stage.decode(ours)
     video = pipe.vae.decode(theirs / (1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1))

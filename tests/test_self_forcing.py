@@ -118,7 +118,7 @@ def test_bad_settings_name_the_option():
         module.configure_model()
 
 
-# ---------------------------------------------------------------------- learning, against the pretrained world's teacher
+# ------------------------------------------------------------------ learning, against the pretrained world's teacher
 def test_the_chunked_student_comes_closer_to_the_teacher(tmp_path):
     """configs/self_forcing.yaml for 100 iterations: the causal student starts from the bidirectional teacher's
     weights, which run chunk by chunk with the KV cache draw far from the teacher's 20-step CFG samples (Fréchet

