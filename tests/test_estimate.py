@@ -84,12 +84,19 @@ def test_activation_estimate_matches_a_real_forward(tmp_path):
 
     from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
 
+    assert_matches_a_real_forward(path, "wan_t2v", preset, estimated)
+
+
+def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated: int) -> None:
+    """The bytes a real 2-row training forward of ``arch`` (``preset``, config ``path``'s card and size) saves for
+    backward, outside the parameters, are ``estimated`` within 5%."""
+    from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
+
     method = _instantiate_model(_parse(path), path)
-    card = method.card
     for name in ("vae", "transformer"):
-        card.models[name] = meta_model(card.specs[name])
-    model = presets.build_model("wan_t2v", preset=preset).train()
-    inputs = _inputs(_input_shapes("wan_t2v", dict(model.config), card, method, rows=2), torch.float32)
+        method.card.models[name] = meta_model(method.card.specs[name])
+    model = presets.build_model(arch, preset=preset).train()
+    inputs = _inputs(_input_shapes(arch, dict(model.config), method.card, method, rows=2), torch.float32)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -117,29 +124,7 @@ def test_flux_activation_estimate_matches_a_real_forward(tmp_path):
     path = os.path.join(tmp_path, "flux.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
-    estimated = estimate(path)["transformer"].activation_bytes
-
-    from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
-
-    method = _instantiate_model(_parse(path), path)
-    for name in ("vae", "transformer"):
-        method.card.models[name] = meta_model(method.card.specs[name])
-    model = presets.build_model("flux", preset=preset).train()
-    inputs = _inputs(_input_shapes("flux", dict(model.config), method.card, method, rows=2), torch.float32)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**inputs)[0]
-    measured = sum(saved.values())
-    assert out.shape[0] == 2 and measured > 0
-    assert estimated == pytest.approx(measured, rel=0.05), f"estimate {estimated} vs measured {measured} bytes"
+    assert_matches_a_real_forward(path, "flux", preset, estimate(path)["transformer"].activation_bytes)
 
 
 def test_activation_rows_follow_the_rl_batching():
