@@ -70,46 +70,39 @@ def ppo_step_losses(stage: GeneratorStage, sampler: FlowMatchSampler, traj: Traj
     if odd:
         raise ValueError(f"ppo_step_losses: steps {odd} were ODE steps of the rollout; train on SDE steps only")
     rows = len(advantages) if index is None else len(index)
-    if micro_batch is not None and micro_batch < rows:
-        whole = torch.arange(rows, device=advantages.device) if index is None else index
-        return [functools.partial(_step_loss, stage, sampler, traj, i, cond, advantages, clip_range, kl_beta, uncond,
-                                  guidance_scale, chunk, policy, reference, metrics, len(steps), rows)
-                for i in steps for chunk in whole.split(micro_batch)]
-    return [functools.partial(_step_loss, stage, sampler, traj, i, cond, advantages, clip_range, kl_beta, uncond,
-                              guidance_scale, index, policy, reference, metrics, len(steps), None) for i in steps]
+    chunked = micro_batch is not None and micro_batch < rows
 
+    def step_loss(i: int, index: Optional[torch.Tensor]) -> torch.Tensor:
+        cond_b = cond if index is None else cond.select(index)
+        uncond_b = uncond if uncond is None or index is None else uncond.select(index)
+        adv_b = (advantages if index is None else advantages[index]).float()
+        ref_mean = None
+        if reference is not None and kl_beta > 0:
+            with torch.no_grad(), stage.velocity(reference) as ref_fn:
+                ref_mean = sampler.step_log_prob(ref_fn, traj, i, cond_b, uncond_b, index, guidance_scale).mean
+        with stage.velocity(policy) as fn:
+            step = sampler.step_log_prob(fn, traj, i, cond_b, uncond_b, index, guidance_scale)
+        old = traj.log_probs[i] if index is None else traj.log_probs[i][index]
+        per_sample, step_metrics = ppo_clip_loss(step.log_prob, old, adv_b, clip_range)
+        kl = torch.zeros_like(per_sample)
+        if ref_mean is not None:
+            std_dt = step.std * torch.sqrt(traj.sigmas[i] - traj.sigmas[i + 1]).to(step.std)
+            kl = sde_kl(step.mean, ref_mean, std_dt)
+        mean = per_sample.mean() + kl_beta * kl.mean()
+        # a micro-batch adds its rows' share: the sum over the batch's row count instead of its own mean
+        loss = (per_sample.sum() + kl_beta * kl.sum()) / (rows * len(steps)) if chunked else mean / len(steps)
+        if metrics is not None:
+            for key in ("ratio_mean", "clip_frac", "approx_kl"):
+                metrics.setdefault(key, []).append(step_metrics[key])
+            metrics.setdefault("policy_loss", []).append(per_sample.detach().mean())
+            metrics.setdefault("kl", []).append(kl.detach().mean())
+            metrics.setdefault("loss", []).append(mean.detach())
+        return loss
 
-def _step_loss(stage: GeneratorStage, sampler: FlowMatchSampler, traj: Trajectory, i: int, cond: Conditioning,
-               advantages: torch.Tensor, clip_range: float, kl_beta: float, uncond: Optional[Conditioning],
-               guidance_scale: Optional[float], index: Optional[torch.Tensor], policy: Optional[str],
-               reference: Optional[str], metrics: Optional[dict[str, list[torch.Tensor]]], num_steps: int,
-               rows: Optional[int]) -> torch.Tensor:
-    """Step ``i``'s PPO-clip + KL loss on rows ``index`` (all when None), divided by ``num_steps``; with ``rows``
-    (a chunk of a batch of that many rows) the chunk's sum over the batch's row count instead of its mean."""
-    cond_b = cond if index is None else cond.select(index)
-    uncond_b = uncond if uncond is None or index is None else uncond.select(index)
-    adv_b = (advantages if index is None else advantages[index]).float()
-    ref_mean = None
-    if reference is not None and kl_beta > 0:
-        with torch.no_grad(), stage.velocity(reference) as ref_fn:
-            ref_mean = sampler.step_log_prob(ref_fn, traj, i, cond_b, uncond_b, index, guidance_scale).mean
-    with stage.velocity(policy) as fn:
-        step = sampler.step_log_prob(fn, traj, i, cond_b, uncond_b, index, guidance_scale)
-    old = traj.log_probs[i] if index is None else traj.log_probs[i][index]
-    per_sample, step_metrics = ppo_clip_loss(step.log_prob, old, adv_b, clip_range)
-    kl = torch.zeros_like(per_sample)
-    if ref_mean is not None:
-        std_dt = step.std * torch.sqrt(traj.sigmas[i] - traj.sigmas[i + 1]).to(step.std)
-        kl = sde_kl(step.mean, ref_mean, std_dt)
-    mean = per_sample.mean() + kl_beta * kl.mean()
-    loss = mean / num_steps if rows is None else (per_sample.sum() + kl_beta * kl.sum()) / (rows * num_steps)
-    if metrics is not None:
-        for key in ("ratio_mean", "clip_frac", "approx_kl"):
-            metrics.setdefault(key, []).append(step_metrics[key])
-        metrics.setdefault("policy_loss", []).append(per_sample.detach().mean())
-        metrics.setdefault("kl", []).append(kl.detach().mean())
-        metrics.setdefault("loss", []).append(mean.detach())
-    return loss
+    if not chunked:
+        return [functools.partial(step_loss, i, index) for i in steps]
+    whole = torch.arange(rows, device=advantages.device) if index is None else index
+    return [functools.partial(step_loss, i, chunk) for i in steps for chunk in whole.split(micro_batch)]
 
 
 @torch.no_grad()
