@@ -106,15 +106,19 @@ def main() -> None:
         target = SyntheticGenEval()
         target.update(teacher[1], prompts)
         target = {k: float(v) for k, v in target.compute().items()}
-        whole = copy.copy(student_sampler)
-        whole.chunk_frames = None  # the bidirectional teacher takes the whole video in one pass
-        sets = {"few": samples(module, prompts, whole, "teacher", args.batch),
-                "before": samples(module, prompts, student_sampler, "transformer", args.batch)}
+        # the rows: for a chunked (Self-Forcing) student, also the bidirectional teacher at the student's steps,
+        # whole video in one pass; for DMD2 that is the student before training, sampled once
+        shown = ("few", "before", "after") if student_sampler.chunk_frames else ("before", "after")
+        sets = {"before": samples(module, prompts, student_sampler, "transformer", args.batch)}
+        if "few" in shown:
+            whole = copy.copy(student_sampler)
+            whole.chunk_frames = None
+            sets["few"] = samples(module, prompts, whole, "teacher", args.batch)
         module.train()
         cli.trainer.fit(module, datamodule=cli.datamodule)
         module.eval()
         sets["after"] = samples(module, prompts, student_sampler, "transformer", args.batch)
-        few, before, after = (closeness(prompts, teacher, sets[k]) for k in ("few", "before", "after"))
+        scores = {k: closeness(prompts, teacher, sets[k]) for k in shown}
     steps = cli.trainer.global_step
     print(f"\n{len(prompts)} seen-concept prompts; reference: the teacher, {teacher_sampler.num_steps} steps, CFG "
           f"{teacher_sampler.guidance_scale} (its GenEval all {target['all']:.3f}; shape / colour / background / "
@@ -123,20 +127,19 @@ def main() -> None:
     print(f"\n| {student_sampler.num_steps}-step samples | Fréchet VAE distance to the teacher | latent MSE (same "
           f"noise) | GenEval all | shape / colour / background / motion |\n|---|---|---|---|---|")
     method = type(module).__name__
-    if student_sampler.chunk_frames is None:
-        print(row("teacher = student before training", before))
-    else:
-        print(row("teacher, whole video", few))
+    if "few" in shown:
+        print(row("teacher, whole video", scores["few"]))
         print(row(f"student before training (the teacher's weights, chunks of {student_sampler.chunk_frames} latent "
-                  f"frame(s), KV cache)", before))
-    print(row(f"student after {steps} iterations of {method}", after))
+                  f"frame(s), KV cache)", scores["before"]))
+    else:
+        print(row("teacher = student before training", scores["before"]))
+    print(row(f"student after {steps} iterations of {method}", scores["after"]))
     if args.grid:
         labels = {"few": f"teacher, {student_sampler.num_steps} steps", "before": "student before",
                   "after": f"student after {steps} iterations"}
         rows = []
         for i in range(min(4, len(prompts))):
             rows.append((f"{prompts[i][:60]}: teacher, {teacher_sampler.num_steps} steps, CFG", teacher[1][i]))
-            shown = ("few", "before", "after") if student_sampler.chunk_frames else ("before", "after")
             rows += [(labels[k], sets[k][1][i]) for k in shown]
         grid(rows, scale=4).save(args.grid)
         print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
