@@ -37,7 +37,7 @@ import copy
 import json
 import os
 import shutil
-from typing import Any, ContextManager, Mapping, Optional
+from typing import Any, ContextManager, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -233,24 +233,17 @@ class ShardedExpertsStrategy(DDPStrategy):
         self.barrier("sharded_checkpoint_dir")
         ckpt.fault_point("write:start")
         meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
-        failure = None  # a full disk on any process: every process stops the save alike, rank 0 removes the folder
-        try:
+        with self._all_or_none(temp, destination):
             for name, engine in self.trained_engines.items():
                 engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
-        except OSError as err:
-            failure = err
-        self._agree_or_abandon(failure, temp, destination)
         ckpt.fault_point("write:shards")
         hashed: dict[str, dict] = {}
-        try:
+        with self._all_or_none(temp, destination):
             if self.is_global_zero:
                 checkpoint["posttrain_sharded"] = meta
                 hashed[LIGHTNING_STATE] = ckpt.save_state(checkpoint, os.path.join(temp, LIGHTNING_STATE))
                 with open(os.path.join(temp, META), "w") as f:
                     json.dump(meta, f, indent=1)
-        except OSError as err:
-            failure = err
-        self._agree_or_abandon(failure, temp, destination)
         ckpt.fault_point("write:state")
         # every process hashes and fsyncs a share of the files (the shards are most of the bytes)
         files = [rel for rel in ckpt.files_under(temp) if rel != LIGHTNING_STATE]
@@ -258,7 +251,7 @@ class ShardedExpertsStrategy(DDPStrategy):
                 for rel in files[self.global_rank::self.world_size]}
         shares: list = [None] * self.world_size
         dist.all_gather_object(shares, mine)
-        try:
+        with self._all_or_none(temp, destination):
             if self.is_global_zero:
                 for share in shares:
                     hashed.update(share)
@@ -266,13 +259,16 @@ class ShardedExpertsStrategy(DDPStrategy):
                 ckpt.commit(temp, destination, hashed,
                             meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
                                   "world_size": self.world_size, **(extra or {})})
+
+    @contextlib.contextmanager
+    def _all_or_none(self, temp: str, destination: str) -> Iterator[None]:
+        """One phase of a save, then agreement: if any process failed to write (a full disk), all of them stop
+        with the same message and rank 0 removes the temporary folder (earlier checkpoints and ``last`` stay)."""
+        failure: Optional[OSError] = None
+        try:
+            yield
         except OSError as err:
             failure = err
-        self._agree_or_abandon(failure, temp, destination)
-
-    def _agree_or_abandon(self, failure: Optional[OSError], temp: str, destination: str) -> None:
-        """After each phase of a save: if any process failed to write, all of them stop with the same message and
-        rank 0 removes the temporary folder (the earlier checkpoints and ``last`` are untouched)."""
         if not self.reduce_boolean_decision(failure is not None, all=False):
             return
         if self.is_global_zero:
