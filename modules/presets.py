@@ -258,35 +258,29 @@ def load_weights(model: torch.nn.Module, folder: str,
     of its names; a parameter the files lack stops with its name."""
     from safetensors import safe_open
 
-    files = weight_files(folder)
-    where: dict[str, str] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    key = {pid: next((k for k in candidates if k in where), None) for pid, candidates in names.items()}
-    missing = [names[pid][0] for pid, k in key.items() if k is None]
-    if missing:  # decided on every process from the file listing, before any collective
-        raise ValueError(f"{folder!r} lacks {len(missing)} weight(s) of the {type(model).__name__} its config builds, "
-                         f"e.g. {missing[:3]}: point `pretrained` at a folder save_pretrained wrote for this class")
-
-    def tensor(name: str) -> torch.Tensor:
-        with safe_open(where[name], framework="pt") as f:
-            return f.get_tensor(name)
-
-    for prefix, module in model.named_modules():
-        params = list(module.parameters(recurse=False))
-        if params:
-            with gather(params):
-                if reads:
-                    for param in params:
-                        param.data.copy_(tensor(key[id(param)]).view_as(param.data))
-        for name, buffer in module.named_buffers(recurse=False):
-            name = f"{prefix}.{name}" if prefix else name
-            if name in where:
-                buffer.copy_(tensor(name))
+    with contextlib.ExitStack() as stack:  # each file opened once (memory-mapped), tensors read as needed
+        handles = [stack.enter_context(safe_open(file, framework="pt")) for file in weight_files(folder)]
+        where = {key: handle for handle in handles for key in handle.keys()}
+        names: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        key = {pid: next((k for k in candidates if k in where), None) for pid, candidates in names.items()}
+        missing = [names[pid][0] for pid, k in key.items() if k is None]
+        if missing:  # decided on every process from the file listing, before any collective
+            raise ValueError(f"{folder!r} lacks {len(missing)} weight(s) of the {type(model).__name__} its config "
+                             f"builds, e.g. {missing[:3]}: point `pretrained` at a folder save_pretrained wrote for "
+                             f"this class")
+        for prefix, module in model.named_modules():
+            params = list(module.parameters(recurse=False))
+            if params:
+                with gather(params):
+                    if reads:
+                        for param in params:
+                            param.data.copy_(where[key[id(param)]].get_tensor(key[id(param)]).view_as(param.data))
+            for name, buffer in module.named_buffers(recurse=False):
+                name = f"{prefix}.{name}" if prefix else name
+                if name in where:
+                    buffer.copy_(where[name].get_tensor(name))
 
 
 @contextlib.contextmanager
