@@ -1,3 +1,3 @@
-from posttrain.lit.cli import main
+from posttrain.lit.tools.cli import main
 
 main()

@@ -6,7 +6,7 @@ the same disk, interleaved (ABAB…, then BABA… to cancel drift), ``--repeats`
 
 - baseline: Lightning's ``TorchCheckpointIO.save_checkpoint`` (what ``ModelCheckpoint`` used before): the
   pickle in memory, then one ``write`` to ``<name>.ckpt``; no fsync, no rename, no hash;
-- posttrain: ``lit.checkpoints.write_checkpoint`` + ``link_last``: temporary folder, ``lightning.pt`` hashed
+- posttrain: ``modules.checkpoints.write_checkpoint`` + ``link_last``: temporary folder, ``lightning.pt`` hashed
   (SHA-256) while written, fsync, manifest, fsync, rename, fsync of the folder, ``last.ckpt`` switched;
 - for the split, a bare atomic write: ``torch.save`` to a temporary name, fsync, rename, fsync of the folder
   (durability without hash, manifest or link).
@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 
-from posttrain.lit import checkpoints  # noqa: E402
-from posttrain.lit.cli import PosttrainCLI  # noqa: E402
+from posttrain.modules import checkpoints  # noqa: E402
+from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "finetune.yaml")
 

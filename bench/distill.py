@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import compare, interleave  # noqa: E402
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # noqa: E402
-from posttrain.lit.cli import PosttrainCLI  # noqa: E402
+from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
 from posttrain.modules.geneval import SyntheticGenEval  # noqa: E402
 from posttrain.modules.media import grid  # noqa: E402

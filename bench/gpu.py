@@ -2,12 +2,12 @@
 
 Builds ``WanTransformer3DModel`` with the 1.3B config (30 layers, 12 heads x 128, ffn 8960, text_dim 4096,
 freq_dim 256, patch (1, 2, 2), 16 latent channels in and out) and measures, in one run on one device, with
-the package's own sampler, losses and DeepSpeed configuration (``lit.strategy.deepspeed_config``):
+the package's own sampler, losses and DeepSpeed configuration (``lit.engine.strategy.deepspeed_config``):
 
 1. **finetune** — seconds per iteration (flow matching, AdamW, clipping) and MFU in bf16, and the peak
    device memory of three set-ups: plain PyTorch (fp32 master weights, bf16 autocast), ZeRO-3 bf16, and
    ZeRO-3 bf16 with optimizer and parameters offloaded to the host (one process: ZeRO-3 shards nothing,
-   offload is what moves memory); each beside ``lit.estimate``'s figure for the same expert;
+   offload is what moves memory); each beside ``lit.tools.estimate``'s figure for the same expert;
 2. **flow_grpo step, K = 8** — an SDE rollout of one prompt's group of 8 (one batched forward per step,
    log-probabilities captured), decoding by the real Wan 2.1 VAE architecture (random weights), and the
    PPO update on a fraction of the steps (one backward, one optimizer step): seconds of each part.
@@ -221,7 +221,7 @@ def finetune_zero3(s: dict, device: Device, offload: bool, checkpointing: bool,
     import deepspeed
     from diffusers import WanTransformer3DModel
 
-    from posttrain.lit.strategy import deepspeed_config
+    from posttrain.lit.engine.strategy import deepspeed_config
 
     init_distributed(device)
     device.reset_peak()
@@ -251,13 +251,13 @@ def finetune_zero3(s: dict, device: Device, offload: bool, checkpointing: bool,
 
 
 def estimate_bytes(spec: Expert, s: dict) -> tuple[int, int, int]:
-    """``lit.estimate``'s device figure for the same expert, one process (a config written for it), its
+    """``lit.tools.estimate``'s device figure for the same expert, one process (a config written for it), its
     model states alone (what the CPU measurement sees) and what it puts in host memory (offload)."""
     import tempfile
 
     import yaml
 
-    from posttrain.lit.estimate import estimate
+    from posttrain.lit.tools.estimate import estimate
 
     expert: dict[str, Any] = {"arch": "wan_t2v", "trainable": True, "preset": dict(s["config"]),
                               "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-5}},

@@ -2,7 +2,7 @@
 
 Two process pairs over gloo train the same Wan transformer (a larger CPU-friendly preset) with AdamW
 for a few steps: one under plain DDP, one in a ZeRO-3 engine built under ``deepspeed.zero.Init`` with
-the DeepSpeed config ``lit.strategy`` gives an expert with ``sharded: true, zero: {stage: 3}``.
+the DeepSpeed config ``lit.engine.strategy`` gives an expert with ``sharded: true, zero: {stage: 3}``.
 Memory is the peak, over sample points inside every transformer block's forward and after backward
 and step (of the second step; the first creates the optimizer state), of the bytes of all distinct
 tensor storages alive in the process (found through the garbage collector plus every parameter's
@@ -108,7 +108,7 @@ def build(mode: str, args, precision: str):
     import deepspeed
     from diffusers import WanTransformer3DModel
 
-    from posttrain.lit.strategy import deepspeed_config  # the configuration the strategy gives a sharded expert
+    from posttrain.lit.engine.strategy import deepspeed_config  # the configuration the strategy gives a sharded expert
     from posttrain.modules.cards import Expert, ZeroConfig
 
     config = preset(args.layers, args.heads, args.head_dim)

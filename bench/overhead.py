@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
-from posttrain.lit.cli import PosttrainCLI  # noqa: E402
+from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
 from posttrain.modules import vae as vae_codec  # noqa: E402
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
 from timing import Blocks, compare  # noqa: E402

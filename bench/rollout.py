@@ -116,7 +116,7 @@ class CacheCounts(Callback):
 
 
 def bench_cache(iterations: int) -> None:
-    from posttrain.lit.cli import PosttrainCLI
+    from posttrain.lit.tools.config import PosttrainCLI
 
     cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", "joint_rl.yaml"), "--trainer.logger=false"],
                        run=False)

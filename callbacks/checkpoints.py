@@ -3,7 +3,7 @@
 Lightning's ``ModelCheckpoint`` with these changes (same arguments; configs name
 ``posttrain.callbacks.checkpoints.ModelCheckpoint``):
 
-- every checkpoint is a folder written by ``posttrain.lit.checkpoints`` (temporary name, fsync, manifest,
+- every checkpoint is a folder written by ``posttrain.modules.checkpoints`` (temporary name, fsync, manifest,
   rename), so a kill never leaves a torn checkpoint where a resume would read it;
 - ``last.ckpt`` is a symlink switched atomically to the newest checkpoint (to the top-k checkpoint of that
   iteration, or to a hidden ``.last/`` one when none was written); a rerun never writes ``last-v1.ckpt``;
@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from posttrain.lit import checkpoints as ckpt
+from posttrain.modules import checkpoints as ckpt
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
@@ -69,7 +69,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if not _is_local_file_protocol(str(self.dirpath)):
             raise ValueError(f"ModelCheckpoint dirpath {self.dirpath!r}: atomic checkpoints need a local or shared "
                              f"POSIX folder (rename and fsync); write there and copy to remote storage afterwards")
-        ckpt.install_checkpoint_io(trainer.strategy)
+        # the strategy's checkpoint I/O (verified folders, ``lit/engine/checkpoint_io.py``) is installed by the
+        # method's ``setup``, which runs before any checkpoint is restored or saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

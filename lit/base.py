@@ -34,8 +34,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from posttrain.callbacks.iterations import IterationCounter
-from posttrain.callbacks.versions import SyncPlan, WeightVersions
-from posttrain.lit import checkpoints
+from posttrain.callbacks.versions import WeightVersions
+from posttrain.modules.versions import SyncPlan
+from posttrain.lit.engine.checkpoint_io import install_checkpoint_io
 from posttrain.modules import presets
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.generators import GeneratorStage, VideoSize
@@ -167,7 +168,7 @@ class ExpertModule(LightningModule):
             raise ValueError(
                 f"experts {sharded} have `sharded: true`, but trainer.strategy is "
                 f"{type(self.trainer.strategy).__name__}, which does not shard: set `trainer.strategy: "
-                f"{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
+                f"{{class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
         # each expert's backward leaves the other experts' parameters without gradient: DDP must expect that
         plain = [name for name in self.card.trainable if not self.card.specs[name].sharded]
         strategy = self.trainer.strategy
@@ -176,10 +177,10 @@ class ExpertModule(LightningModule):
             raise ValueError(
                 f"experts {plain} train under DDP with separate backward passes, which needs "
                 f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
-                f"`{{class_path: posttrain.lit.strategy.ShardedExpertsStrategy}}` (it sets it)")
+                f"`{{class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}}` (it sets it)")
         self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
         self.shared_generator = torch.Generator().manual_seed(self.run.seed)
-        checkpoints.install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
+        install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
@@ -610,20 +611,6 @@ def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, siz
             "height": size.height, "width": size.width, "transformer": transformer,
             "generator": stage.transformer, "vae": stage.vae, "text_encoders": list(stage.encoders),
             "image_encoder": stage.image_encoder, "embedded_guidance": stage.embedded_guidance}
-
-
-def read_run_meta(path: str) -> Optional[dict]:
-    """The ``run`` entry (W&B run id) of a checkpoint file or folder, read without unpickling; None if absent."""
-    import os
-
-    file = os.path.join(path, "lightning.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        return None
-    try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported when it is loaded for real
-        return None
-    return (checkpoint.get("posttrain") or {}).get("run")
 
 
 def _numpy_state() -> dict:

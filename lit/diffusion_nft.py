@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 import torch
 
-from posttrain.callbacks.versions import SyncPlan
+from posttrain.modules.versions import SyncPlan
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.advantages import group_advantages
 from posttrain.modules.cards import ModelCard

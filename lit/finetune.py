@@ -4,7 +4,7 @@ Regress the transformer's velocity onto ``ε - x0`` at a random noise level σ (
 et al. 2024, "Scaling Rectified Flow Transformers", logit-normal σ as in SD3/Wan training), with
 conditioning from the frozen text encoders (cached by prompt hash and encoder version) and, for an
 image-to-video generator, from each video's own first frame (Wan I2V's training setup). Any generator
-of ``modules/generators.py``: Wan T2V on videos, FLUX on images (one-frame videos), Wan I2V on videos.
+of ``modules/generators/``: Wan T2V on videos, FLUX on images (one-frame videos), Wan I2V on videos.
 Optional EMA of the generator, kept by a sync plan and used for sampling.
 
     posttrain fit --config configs/finetune.yaml          # Wan T2V
@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 import torch
 
-from posttrain.callbacks.versions import SyncPlan, constant
+from posttrain.modules.versions import SyncPlan, constant
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.generators import VideoSize

@@ -30,7 +30,7 @@ Role = Literal["reference", "old", "ema", "teacher", "rollout"]
 
 @dataclass
 class ZeroConfig:
-    """DeepSpeed ZeRO settings of one sharded expert (used by ``lit.strategy``)."""
+    """DeepSpeed ZeRO settings of one sharded expert (used by ``lit.engine.strategy``)."""
 
     stage: Literal[2, 3] = 2
     offload_optimizer: bool = False

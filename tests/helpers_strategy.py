@@ -46,7 +46,7 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
         "seed_everything": 0,
         "trainer": {
             "max_steps": max_steps, "accelerator": "cpu", "devices": devices,
-            "strategy": {"class_path": "posttrain.lit.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
+            "strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
             "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
             "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
             "callbacks": [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
@@ -74,7 +74,7 @@ def fit(config_path: str, *args: str, timeout: int = 240) -> subprocess.Complete
 
 def weights(ckpt: str, component: str) -> dict[str, torch.Tensor]:
     """``component``'s full weights from a ``.ckpt`` file or a sharded checkpoint folder."""
-    from posttrain.lit.export import load_checkpoint
+    from posttrain.modules.checkpoints import load as load_checkpoint
 
     prefix = f"card.models.{component}."
     state = load_checkpoint(ckpt)["state_dict"]

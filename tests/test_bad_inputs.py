@@ -12,8 +12,8 @@ import shutil
 import pytest
 import yaml
 
-from posttrain.lit import checkpoints as ckpt
-from posttrain.lit.cli import main
+from posttrain.modules import checkpoints as ckpt
+from posttrain.lit.tools.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loggers import Logger
 
-from posttrain.callbacks.versions import SyncPlan, constant
+from posttrain.modules.versions import SyncPlan, constant
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import ExpertModule
 from posttrain.lit.finetune import Finetune

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
 from posttrain.datamodules.synthetic import SyntheticVideos
-from posttrain.lit import checkpoints as ckpt
+from posttrain.modules import checkpoints as ckpt
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from tests.conftest import adamw, wan_card
@@ -263,7 +263,7 @@ def cli_config(tmp_path) -> str:
 @pytest.mark.parametrize("kind", ["file", "folder", "zero-folder"])
 @pytest.mark.parametrize("command", ["export", "fit", "validate", "predict"])
 def test_payload_checkpoint_never_runs_code(tmp_path, capsys, command, kind):
-    from posttrain.lit.cli import main
+    from posttrain.lit.tools.cli import main
 
     marker = str(tmp_path / "pwned")
     path = payload_checkpoint(tmp_path / "evil.ckpt", marker, folder=kind != "file", sharded=kind == "zero-folder")
@@ -307,7 +307,7 @@ def test_deepspeed_shard_loader_runs_under_the_allow_list(tmp_path):
 
 
 def test_export_refuses_a_non_empty_folder(run, tmp_path, capsys):
-    from posttrain.lit.cli import main
+    from posttrain.lit.tools.cli import main
 
     out = tmp_path / "out"
     out.mkdir()

@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from posttrain.lit.cli import condense, derive_run_folder, main
+from posttrain.lit.tools.cli import condense, main
+from posttrain.lit.tools.config import derive_run_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINETUNE = os.path.join(ROOT, "configs", "finetune.yaml")
@@ -74,7 +75,7 @@ def test_one_run_folder_setting():
     """default_root_dir fills the logger's folder, name and job type and the checkpoint folder."""
     from jsonargparse import Namespace
 
-    trainer = Namespace(default_root_dir="runs/x", logger=Namespace(class_path="posttrain.lit.tracking.WandbLogger",
+    trainer = Namespace(default_root_dir="runs/x", logger=Namespace(class_path="posttrain.lit.tools.tracking.WandbLogger",
                                                                     init_args=Namespace()),
                         callbacks=[Namespace(class_path="ModelCheckpoint", init_args=Namespace(dirpath=None))])
     derive_run_folder(trainer, "validate", None)

@@ -8,7 +8,7 @@ import pytest
 from lightning.pytorch import LightningModule
 
 from posttrain.lit.base import ExpertModule
-from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.tools.config import PosttrainCLI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

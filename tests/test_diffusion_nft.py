@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from posttrain.datamodules.prompts import Prompts
-from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.modules.cards import Expert, ModelCard

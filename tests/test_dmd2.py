@@ -14,7 +14,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import posttrain.lit.dmd2 as dmd2_module
-from posttrain.lit import checkpoints
+from posttrain.modules import checkpoints
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
@@ -281,7 +281,7 @@ def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int 
     from distill import closeness, samples
 
     from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-    from posttrain.lit.cli import PosttrainCLI
+    from posttrain.lit.tools.config import PosttrainCLI
 
     with mock.patch.object(sys, "argv", sys.argv[:1]):
         cli = PosttrainCLI(args=["--config", config, "--trainer.default_root_dir", str(tmp_path),

@@ -1,4 +1,4 @@
-"""``posttrain.lit.estimate``: figures against measured ones, and clear errors for broken cards.
+"""``posttrain.lit.tools.estimate``: figures against measured ones, and clear errors for broken cards.
 
 Stated margins:
 - model states (weights + gradients + optimizer state) of a ZeRO-3 expert, per process, 2 processes:
@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from posttrain.lit.estimate import _inputs, estimate, meta_model
+from posttrain.lit.tools.estimate import _inputs, estimate, meta_model
 from posttrain.modules import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +43,7 @@ def write_config(tmp_path, generator: dict | None, devices=1, sharded=False, bat
         card.pop(name)
     cfg = {
         "trainer": {"accelerator": "cpu", "devices": devices, "logger": False,
-                    **({"strategy": {"class_path": "posttrain.lit.strategy.ShardedExpertsStrategy"}} if sharded else {})},
+                    **({"strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy"}} if sharded else {})},
         "model": {"class_path": "posttrain.lit.finetune.Finetune", "init_args": {"card": {"experts": card}}},
         "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
                  "init_args": {"batch_size": batch_size}},
@@ -82,17 +82,16 @@ def test_activation_estimate_matches_a_real_forward(tmp_path):
     result = estimate(path)
     estimated = result["transformer"].activation_bytes
 
-    from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
-
     assert_matches_a_real_forward(path, "wan_t2v", preset, estimated)
 
 
 def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated: int) -> None:
     """The bytes a real 2-row training forward of ``arch`` (``preset``, config ``path``'s card and size) saves for
     backward, outside the parameters, are ``estimated`` within 5%."""
-    from posttrain.lit.estimate import _input_shapes, _instantiate_model, _parse
+    from posttrain.lit.tools.config import instantiate_part, parse
+    from posttrain.lit.tools.estimate import _input_shapes
 
-    method = _instantiate_model(_parse(path), path)
+    method = instantiate_part(parse(path), "model", path, "estimate")
     for name in ("vae", "transformer"):
         method.card.models[name] = meta_model(method.card.specs[name])
     model = presets.build_model(arch, preset=preset).train()
@@ -132,7 +131,7 @@ def test_activation_rows_follow_the_rl_batching():
     at most ``micro_batch_size``."""
     from types import SimpleNamespace
 
-    from posttrain.lit.estimate import activation_rows
+    from posttrain.lit.tools.estimate import activation_rows
 
     assert activation_rows(SimpleNamespace(), 4)[0] == 4
     rl = dict(num_samples_per_prompt=8, num_minibatches=1, guidance_scale=1.0)
@@ -229,7 +228,7 @@ def test_trainer_precision_applies_to_plain_experts(tmp_path):
 
 
 def test_estimate_is_a_subcommand(capsys):
-    from posttrain.lit.cli import main
+    from posttrain.lit.tools.cli import main
 
     main(["estimate", "--config", os.path.join(ROOT, "configs", "finetune.yaml"), "--devices", "2",
           "--activations", "false"])

@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from posttrain.callbacks.evaluation import Evaluate, still_caption
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.lit.cli import main
+from posttrain.lit.tools.cli import main
 from posttrain.modules.generators import VideoSize
 from posttrain.modules.world import parse_caption
 

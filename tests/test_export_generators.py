@@ -12,7 +12,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanImageToV
 
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
-from posttrain.lit.export import export
+from posttrain.lit.tools.export import export
 from posttrain.lit.finetune import Finetune
 from posttrain.modules.generators import Flux
 from posttrain.modules.samplers import FlowMatchSampler

@@ -5,7 +5,7 @@ import torch
 import posttrain.lit.flow_grpo as flow_grpo_module
 from posttrain.callbacks.parity import C2Check, C2ViolationError
 from posttrain.datamodules.prompts import Prompts
-from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.modules.cards import Expert, ModelCard

@@ -318,7 +318,7 @@ def test_cache_without_a_vae_outside_a_trainer(clips, tmp_path):
 
 # ---------------------------------------------------------------------- config
 def test_finetune_folder_config_parses(clips, tmp_path, monkeypatch):
-    from posttrain.lit.cli import PosttrainCLI
+    from posttrain.lit.tools.config import PosttrainCLI
 
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "finetune_folder.yaml")
     monkeypatch.chdir(tmp_path)

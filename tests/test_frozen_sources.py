@@ -9,7 +9,7 @@ import torch
 
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.synthetic import SyntheticVideos
-from posttrain.lit import checkpoints as ckpt
+from posttrain.modules import checkpoints as ckpt
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from posttrain.modules import presets

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, seed_everything
 from conftest import TINY_WAN, adamw
 from posttrain.datamodules.prompts import Prompts
 from helpers import quick_trainer
-from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.joint_rl import JointRL
 from posttrain.lit.base import RunArgs
 from posttrain.modules.cards import Expert, ModelCard

@@ -14,7 +14,7 @@ from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DMode
 from posttrain.callbacks.writer import MediaWriter
 from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import SyntheticVideos
-from posttrain.lit.export import export
+from posttrain.lit.tools.export import export
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import LoraConfig

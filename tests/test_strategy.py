@@ -15,7 +15,7 @@ import torch
 import yaml
 
 import helpers_strategy as h
-from posttrain.lit import checkpoints
+from posttrain.modules import checkpoints
 from posttrain.lit.base import RunArgs
 
 pytestmark = pytest.mark.timeout(900)
@@ -131,7 +131,7 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
 def test_export_from_zero3_checkpoint(runs, tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from posttrain.lit.cli import main
+    from posttrain.lit.tools.cli import main
 
     out = str(tmp_path / "exported")
     main(["export", "--ckpt", last(runs["z3"]), "--out", out, "--expert", "transformer"])  # the whole pipeline
@@ -144,8 +144,8 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
 # ---------------------------------------------------------------------- clear errors
 def test_config_parses():
     """configs/finetune_zero.yaml instantiates the strategy and a ZeRO-2 transformer as written."""
-    from posttrain.lit.cli import PosttrainCLI
-    from posttrain.lit.strategy import ShardedExpertsStrategy
+    from posttrain.lit.tools.config import PosttrainCLI
+    from posttrain.lit.engine.strategy import ShardedExpertsStrategy
 
     cli = PosttrainCLI(args=["--config", os.path.join(h.ROOT, "configs", "finetune_zero.yaml")], run=False)
     assert isinstance(cli.trainer.strategy, ShardedExpertsStrategy)
@@ -185,12 +185,12 @@ def card(stage=None, **zero) -> dict:
 
 def test_sharded_expert_needs_the_sharding_strategy():
     with pytest.raises(ValueError, match=r"experts \['transformer'\] have `sharded: true`.*"
-                                         r"posttrain.lit.strategy.ShardedExpertsStrategy"):
+                                         r"posttrain.lit.engine.strategy.ShardedExpertsStrategy"):
         _fit_in_process(card(2), strategy="auto")
 
 
 def test_zero_config_rejected_by_deepspeed():
-    from posttrain.lit.strategy import validate_zero_configs
+    from posttrain.lit.engine.strategy import validate_zero_configs
     from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
 
     bad = ModelCard({"transformer": Expert(arch="wan_t2v", trainable=True, optimizer=torch.optim.AdamW,
@@ -208,7 +208,7 @@ def test_zero_config_rejected_by_deepspeed():
 def one_process():
     """Strategies of one process in this pytest process; the gloo group (which DeepSpeed caches) lives
     until the end of the module, then both are torn down."""
-    from posttrain.lit.strategy import ShardedExpertsStrategy
+    from posttrain.lit.engine.strategy import ShardedExpertsStrategy
 
     yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
     if torch.distributed.is_initialized():

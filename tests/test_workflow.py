@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from posttrain.lit.cli import PosttrainCLI
+from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.workflow import Workflow
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.samplers import FlowMatchSampler

@@ -9,7 +9,7 @@ import torch
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.callbacks.parity import C2Check
 from posttrain.datamodules.prompts import Prompts
-from posttrain.lit import checkpoints
+from posttrain.modules import checkpoints
 from posttrain.lit.workflow_rl import WorkflowRL
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.rewards import ColourAlignment, MotionAlignment, StageReward, WeightedReward, score
@@ -169,7 +169,7 @@ def test_each_stage_exports_to_its_pipeline(tmp_path):
     """A workflow checkpoint exports one stage per call, as the folder its diffusers pipeline loads."""
     from diffusers import FluxPipeline, WanImageToVideoPipeline
 
-    from posttrain.lit.export import export
+    from posttrain.lit.tools.export import export
 
     model = make(credit="shared", size=16)
     trainer = quick_trainer(1, default_root_dir=tmp_path)

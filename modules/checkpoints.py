@@ -19,11 +19,16 @@ Writing one checkpoint (the commit-marker protocol of Orbax and torch.distribute
 A kill at any instant therefore leaves ``last.ckpt`` on the previous complete checkpoint or on the new one.
 Leftover temporary folders are never read and are removed at the next save.
 
-Reading: ``verify`` checks the manifest (every file present, same size and hash, no unexpected file) before
+Reading: ``load`` is the one loader every entry point uses (resume, ``validate``, ``predict``, ``export``; the W&B
+run lookup reads the verified manifest). ``verify`` checks the manifest (every file present, same size and hash, no unexpected file) before
 anything is unpickled, and names the first file that differs; ``resolve_last`` falls back to the newest
 checkpoint that verifies, saying so. Nothing is unpickled beyond an allow-list: ``lightning.pt`` loads with
 ``weights_only=True``, and DeepSpeed's own shard loaders run under ``restricted_unpickling`` (which forces
 ``weights_only=True`` on every ``torch.load`` DeepSpeed makes, with its three checkpoint types allowed).
+
+This is the on-disk protocol only, without Lightning: ``lit/engine/checkpoint_io.py`` plugs it into Lightning's
+checkpoint I/O, ``lit/engine/strategy.py`` writes the sharded folders by it, ``callbacks/checkpoints.py`` keeps
+``last`` by it.
 """
 from __future__ import annotations
 
@@ -39,11 +44,12 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 FORMAT = "posttrain-checkpoint/1"
 MANIFEST = "manifest.json"
 STATE = "lightning.pt"
+SHARDED_META = "sharded.json"  # (ShardedExpertsStrategy) ZeRO stage and world size of each sharded expert
+ZERO_TAG = "zero"  # the ``engine.save_checkpoint`` tag inside each sharded expert's folder
 LAST = "last.ckpt"
 HIDDEN = ".last"  # entries only ``last.ckpt`` points to (no top-k checkpoint was written at that step)
 FAILED = "last.ckpt.failed.json"  # written when a fit run ends with an error
@@ -54,6 +60,7 @@ CHUNK = 8 << 20
 # ``python -m deepspeed.checkpoint.ds_to_universal --output_folder <ckpt>/<expert>/zero_universal`` writes that
 # folder and ``<expert>/latest_universal``
 ADDED_LATER_FOLDERS, ADDED_LATER_FILES = ("zero_universal",), ("latest_universal",)
+META_OPTION = "posttrain_meta"  # Lightning ``storage_options`` key: extra manifest fields from the checkpoint callback
 RUN_ID = uuid.uuid4().hex[:12]  # this process's fit attempt; every manifest it writes carries it
 
 
@@ -329,20 +336,45 @@ def _added_later(rel: str) -> bool:
     return name in ADDED_LATER_FILES or any(part in ADDED_LATER_FOLDERS for part in folders)
 
 
-def load(path: str) -> dict[str, Any]:
-    """The Lightning state of checkpoint ``path``, verified, weights only (ZeRO shards are not read here)."""
+def load(path: str, gather: bool = True) -> dict[str, Any]:
+    """The one verified loader: the Lightning state of checkpoint ``path``, weights only — resume, ``validate``,
+    ``predict``, ``export`` and the W&B run lookup all read checkpoints through here.
+
+    A folder is verified against its manifest (every file, ZeRO shards too) before anything is unpickled; with
+    ``gather`` every sharded expert's ZeRO shards are rebuilt into full fp32 weights in ``state_dict`` (a resume
+    under ``ShardedExpertsStrategy`` passes ``gather=False``: its engines read their own shards). A single file
+    (written by Lightning itself or an older posttrain) has no manifest: it loads weights-only, with a warning.
+    """
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; give a checkpoint folder written by `posttrain "
                                 f"fit` (e.g. <run>/checkpoints/last.ckpt; `fit`/`validate`/`predict` also take "
                                 f"`--ckpt_path last`, the newest of the config's run)")
-    if os.path.isdir(path):
-        verify(path)
-        fault_point("load:verified")
-        return load_state(os.path.join(path, STATE))
-    # a single file: written by Lightning itself or an older posttrain, without a manifest
-    warnings.warn(f"{path}: a single-file checkpoint without a manifest: its integrity cannot be checked "
-                  f"(posttrain writes checkpoint folders with a manifest); loading it weights-only", stacklevel=2)
-    return load_state(path)
+    if not os.path.isdir(path):
+        warnings.warn(f"{path}: a single-file checkpoint without a manifest: its integrity cannot be checked "
+                      f"(posttrain writes checkpoint folders with a manifest); loading it weights-only", stacklevel=2)
+        return load_state(path)
+    verify(path)
+    fault_point("load:verified")
+    state = load_state(os.path.join(path, STATE))
+    if gather and state.get("posttrain_sharded"):
+        gather_sharded(path, state)
+    return state
+
+
+def gather_sharded(folder: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Add to ``checkpoint["state_dict"]`` ``card.models.<expert>.<param>`` of every sharded expert, rebuilt from
+    its ZeRO shards by ``deepspeed.utils.zero_to_fp32`` (under ``restricted_unpickling``). ``folder`` has been
+    verified by ``load``."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for name in checkpoint.get("posttrain_sharded", {}):
+        expert_dir = os.path.join(folder, name)
+        tag = ZERO_TAG if os.path.isdir(os.path.join(expert_dir, ZERO_TAG)) else None
+        with restricted_unpickling(expert_dir):
+            state = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
+        for key, value in state.items():
+            checkpoint["state_dict"][f"card.models.{name}.{key}"] = value
+    return checkpoint
 
 
 # ---------------------------------------------------------------------- last
@@ -494,43 +526,15 @@ def prune_hidden(dirpath: str, keep: int = 2) -> None:
             remove_entry(path)
 
 
-# ---------------------------------------------------------------------- Lightning plumbing
-META_OPTION = "posttrain_meta"  # ``storage_options`` key: extra manifest fields from the checkpoint callback
-
-
-class VerifiedCheckpointIO(CheckpointIO):
-    """Lightning's checkpoint I/O for plain (non-sharded) strategies: checkpoint folders written atomically
-    with a manifest, verified and loaded weights-only. ``ExpertModule.setup`` installs it."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        meta = (storage_options or {}).get(META_OPTION) if isinstance(storage_options, dict) else None
-        write_checkpoint(checkpoint, str(path), meta=meta)
-
-    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None):
-        state = load(str(path))
-        if state.get("posttrain_sharded"):
-            from posttrain.lit.strategy import gather_sharded  # validate/predict of a ZeRO checkpoint
-
-            state = gather_sharded(str(path), state)
-        return state
-
-    def remove_checkpoint(self, path) -> None:
-        remove_entry(str(path))
-
-
-def install_checkpoint_io(strategy) -> None:
-    """Make ``strategy`` write and read verified checkpoint folders (idempotent)."""
-    if not isinstance(strategy.checkpoint_io, VerifiedCheckpointIO):
-        strategy.checkpoint_io = VerifiedCheckpointIO()
-
-
 def wandb_run_id(path: str) -> Optional[str]:
-    """The W&B run id a checkpoint was written under (from its manifest, nothing unpickled), or None.
+    """The W&B run id checkpoint ``path`` was written under, or None (a single file, or no W&B logger).
 
-    ``path`` is a checkpoint folder or a checkpoint directory (then ``last`` is resolved), so the CLI can resume
-    the same W&B run before the logger starts."""
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+    ``path`` is a checkpoint folder or a checkpoint directory (then ``last`` is resolved). The folder is verified
+    like every read (``verify``; the resume that follows in the same process finds it verified already), then the
+    id is read from the manifest: nothing is unpickled. A damaged checkpoint raises ``CheckpointError``."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)) \
+            and not os.path.isfile(os.path.join(path, STATE)):
         path = resolve_last(path, say=lambda message: None) or ""
-    with contextlib.suppress(CheckpointError, OSError):
-        return read_manifest(path).get("wandb_run_id")
-    return None
+    if not os.path.isdir(path):
+        return None
+    return verify(path).get("wandb_run_id")

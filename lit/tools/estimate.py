@@ -6,7 +6,7 @@ method keeps (``reference``, ``old``, ``ema`` copies; a LoRA reference is free),
 per component:
 
 - **parameters** in the dtype they train in; a ZeRO-3 expert holds its 1/N partition plus the gathered
-  working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.strategy`` gives it);
+  working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.engine.strategy`` gives it);
 - **gradients**: full under DDP (plus DDP's bucket copy when N > 1, Lightning's default
   ``gradient_as_bucket_view=False``), the 1/N partition plus the reduce bucket under ZeRO-2/3;
 - **optimizer states**: the expert's own optimizer's state tensors (counted by stepping it once on a
@@ -23,7 +23,7 @@ For every sharded expert DeepSpeed's own estimator (``estimate_zero2_model_state
 ``estimate_zero3_model_states_mem_needs``, which assume 16-bit weights with fp32 master and Adam) is shown
 beside the table's figure.
 
-    from posttrain.lit.estimate import estimate
+    from posttrain.lit.tools.estimate import estimate
     print(estimate("configs/finetune.yaml", devices=8))
 
 Not counted: frozen experts' transient activations (text encoding, VAE encoding/decoding under
@@ -36,14 +36,13 @@ import contextlib
 import functools
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
-from unittest import mock
 
 import torch
 from torch import nn
 
+from posttrain.lit.tools.config import instantiate_part, parse
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard
 
@@ -156,12 +155,12 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
     Returns:
         a ``MemoryEstimate``; ``print`` it for the table.
     """
-    cfg = _parse(config)
+    cfg = parse(config, "estimate")
     devices = _count("trainer.devices", devices if devices is not None else cfg.trainer.devices, config)
     num_nodes = _count("trainer.num_nodes", num_nodes if num_nodes is not None else (cfg.trainer.num_nodes or 1),
                        config)
     world = devices * num_nodes
-    method = _instantiate_model(cfg, config)
+    method = instantiate_part(cfg, "model", config, "estimate")  # its card unbuilt
     card: ModelCard = method.card
     data_batch = batch_size or _data_batch_size(cfg)
 
@@ -231,85 +230,6 @@ def lightning_precision(precision: Any) -> tuple[Optional[torch.dtype], Optional
     if p in ("16-mixed", "16"):
         return None, torch.float16
     return None, None
-
-
-# ---------------------------------------------------------------------- the config
-def _parse(config: str):
-    from posttrain.lit.cli import PosttrainCLI
-
-    class ParseOnly(PosttrainCLI):
-        def instantiate_classes(self) -> None:  # parse and check the YAML; build nothing
-            pass
-
-        def _set_seed(self) -> None:  # leave the global RNGs alone
-            pass
-
-    if not os.path.isfile(config):
-        raise FileNotFoundError(f"estimate: no config file {config!r}")
-    _check_experts(config)
-    try:  # LightningCLI warns when a caller's own command line is there too: hide it for the parse
-        with mock.patch.object(sys, "argv", sys.argv[:1]):
-            return ParseOnly(args=["--config", config], run=False, parser_kwargs={"exit_on_error": False}).config
-    except Exception as err:  # jsonargparse's ArgumentError names the key and the value
-        raise ValueError(f"estimate: {config!r} is not a valid fit config: {err}") from err
-
-
-def _check_experts(config: str) -> None:
-    """The card's experts as written in the YAML, before the parser: every problem in one message."""
-    import yaml
-
-    with open(config) as f:
-        raw = yaml.safe_load(f) or {}
-
-    def args(node: Any) -> dict:
-        node = node if isinstance(node, dict) else {}
-        return node.get("init_args", node) if "class_path" in node else node
-
-    card = args(args(raw.get("model")).get("card"))
-    experts = card.get("experts")
-    if not isinstance(experts, dict) or not experts:
-        raise ValueError(f"estimate: {config!r} names no experts (model.init_args.card.experts is {experts!r})")
-    named = dict(experts)
-    if card.get("num_refiners"):
-        named["refiner"] = card.get("refiner")
-    problems = []
-    for name, spec in named.items():
-        spec = args(spec)
-        if not spec:
-            problems.append(f"expert {name!r} has no settings: give at least `arch:` (one of {sorted(presets.PRESETS)})")
-            continue
-        if spec.get("arch") not in presets.PRESETS:
-            problems.append(f"expert {name!r}: arch {spec.get('arch')!r} is not one of {sorted(presets.PRESETS)}")
-        if spec.get("trainable") and not spec.get("optimizer"):
-            problems.append(f"expert {name!r} is trainable but has no optimizer; add `optimizer: {{class_path: "
-                            f"torch.optim.AdamW, init_args: {{lr: 1e-4}}}}`")
-    if problems:
-        raise ValueError(f"estimate: the card of {config!r}:\n  - " + "\n  - ".join(problems))
-
-
-def _instantiate_model(cfg, config: str):
-    """The method (an ``ExpertModule``) of the config, its card unbuilt: no data, trainer or logger."""
-    return instantiate_part(cfg, "model", config, "estimate")
-
-
-def instantiate_part(cfg, part: str, config: str, tool: str):
-    """One part of a parsed fit config (``"model"`` or ``"data"``) built alone, by its class's own arguments."""
-    import importlib
-
-    from jsonargparse import ArgumentParser
-
-    section = cfg.get(part)
-    if section is None:
-        raise ValueError(f"{tool}: {config!r} has no `{part}:`")
-    module, _, name = section.class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module or f"posttrain.{'lit' if part == 'model' else 'datamodules'}"), name)
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, part)
-    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    try:
-        return getattr(instantiate(parser.parse_object({part: section.init_args.as_dict()})), part)
-    except Exception as err:  # the method's, the card's and the datamodule's own checks name the problem and the fix
-        raise ValueError(f"{tool}: the {part} of {config!r} does not build: {err}") from err
 
 
 def _count(option: str, value: Any, config: str) -> int:
@@ -410,8 +330,8 @@ def _expert(name: str, spec: Expert, model: nn.Module, world: int) -> ComponentM
 
 
 def _zero(name: str, spec: Expert, model: nn.Module, world: int, n_all: int, n_train: int) -> ComponentMemory:
-    """ZeRO-2/3 bytes per process as DeepSpeed 0.16-0.19 lays them out for the config ``lit.strategy`` gives."""
-    from posttrain.lit.strategy import deepspeed_config
+    """ZeRO-2/3 bytes per process as DeepSpeed 0.16-0.19 lays them out for the config ``lit.engine.strategy`` gives."""
+    from posttrain.lit.engine.strategy import deepspeed_config
 
     zero = spec.zero
     low = 2 if zero.precision == "bf16" else 4  # the engine's working weights and gradients

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from posttrain.lit.tools.config import instantiate_part, parse
 from posttrain.modules import precomputed
 
 
@@ -70,9 +71,7 @@ def preprocess(config: str, out: str, processes: int = 1, batch_size: Optional[i
 
 def _build(config: str):
     """The config's method (its card built on this process) and datamodule; no trainer, no logger."""
-    from posttrain.lit.estimate import _parse, instantiate_part
-
-    cfg = _parse(config)
+    cfg = parse(config, "preprocess")
     method = instantiate_part(cfg, "model", config, "preprocess")
     method.configure_model()
     return method, instantiate_part(cfg, "data", config, "preprocess")

@@ -26,20 +26,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from posttrain.modules import presets
+from posttrain.modules import checkpoints, presets
 from posttrain.modules.generators import ADAPTERS, wan21_image_processor
-
-
-def load_checkpoint(ckpt: str) -> dict:
-    """The Lightning checkpoint dict of a checkpoint folder (verified against its manifest; ZeRO shards
-    gathered into full weights) or of a single ``.ckpt`` file; never unpickles anything but weights."""
-    from posttrain.lit import checkpoints
-
-    if os.path.isdir(ckpt):
-        from posttrain.lit.strategy import gather_sharded
-
-        return gather_sharded(ckpt, checkpoints.load(ckpt))
-    return checkpoints.load(ckpt)
 
 
 def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = True,
@@ -60,7 +48,7 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         raise FileExistsError(f"export: {out!r} is not empty; choose a new folder or pass --overwrite true")
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"export: {out!r} is a file; give a folder path")
-    checkpoint = load_checkpoint(ckpt)
+    checkpoint = checkpoints.load(ckpt)  # verified; ZeRO shards gathered; weights only
     meta = checkpoint.get("posttrain")
     if meta is None:
         raise ValueError(f"export: {ckpt!r} was not written by posttrain fit (no 'posttrain' entry)")

@@ -1,0 +1,247 @@
+"""Reading a config: the LightningCLI every command parses with, and what follows from a config by rule.
+
+- ``PosttrainCLI``: LightningCLI over ``ExpertModule`` subclasses and any ``LightningDataModule``, optimizers on
+  the card (none configured by Lightning), the whole config logged, a progress bar in iterations and one
+  summary row per expert;
+- one run folder: ``trainer.default_root_dir`` is the only setting; the W&B logger's ``save_dir`` and every
+  ``ModelCheckpoint.dirpath`` default to it (``<root>/checkpoints``), and the run is named after it;
+- one video size: ``model.init_args.run.{frames,height,width}`` is linked into a video datamodule;
+- W&B runs: a resumed fit continues the checkpoint's W&B run (its id travels in the checkpoint's manifest);
+  validate and predict runs are tagged by ``job_type`` and grouped with the fit run;
+- ``--preset tiny``: a real-model recipe at the embedded default's size;
+- ``parse`` / ``instantiate_part``: a fit YAML checked and one part of it built alone, for the tools
+  (``estimate``, ``preprocess``) that need no trainer.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Literal, Optional
+from unittest import mock
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+
+import posttrain.callbacks  # noqa: F401  (short class names in YAML: SampleVideos, C2Check, ...)
+import posttrain.datamodules  # noqa: F401
+import posttrain.lit  # noqa: F401  (the methods, for `model: {class_path: Finetune}`)
+from posttrain.callbacks.progress import ExpertSummary, IterationProgressBar
+from posttrain.lit.base import ExpertModule, RunArgs
+from posttrain.modules import presets
+
+
+class LoggedConfig(SaveConfigCallback):
+    """Writes ``config.yaml`` beside the run and puts the whole config into the loggers (W&B config)."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(self.config.as_dict())
+
+
+class PosttrainCLI(LightningCLI):
+    def __init__(self, args: Optional[list[str]] = None, exit_on_error: bool = True, **kwargs):
+        kwargs.setdefault("parser_kwargs", {"exit_on_error": exit_on_error})
+        super().__init__(
+            model_class=ExpertModule, subclass_mode_model=True,
+            datamodule_class=LightningDataModule, subclass_mode_data=True,
+            save_config_callback=LoggedConfig, save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,  # every expert's optimizer is on the card
+            args=args, **kwargs,
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        if args is None:
+            return super().parse_arguments(parser, args)
+        saved = sys.argv  # given `args`, the process's own argv (e.g. pytest's) is not the command line
+        sys.argv = saved[:1]
+        try:
+            super().parse_arguments(parser, args)
+        finally:
+            sys.argv = saved
+
+    def before_fit(self) -> None:
+        trainer = self.trainer
+        if trainer.max_steps == 0 or trainer.max_epochs == 0:
+            raise ValueError(f"trainer.max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}: this run would "
+                             f"train nothing; set trainer.max_steps to the iterations to train (or -1 with max_epochs)")
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+                "validate": {"model", "dataloaders", "datamodule"},
+                "predict": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # one video size: a video datamodule takes the method's (datamodules without the option are left alone)
+        for key in ("frames", "height", "width"):
+            parser.link_arguments(f"model.init_args.run.{key}", f"data.init_args.{key}")
+        parser.add_argument("--preset", type=Optional[Literal["tiny"]], default=None,
+                            help="tiny: run a real-model recipe at the embedded default's size — every expert from "
+                                 "its tiny preset (the pretrained world's weights where an asset is shipped, no "
+                                 "recipe weights read), one CPU process, the default video size")
+
+    def before_instantiate_classes(self) -> None:
+        subcommand = self.config.get("subcommand")  # None when built with run=False
+        config = self.config[subcommand] if subcommand else self.config
+        if config.get("preset") == "tiny":
+            apply_tiny_preset(config)
+        derive_run_folder(config.trainer, subcommand or "fit", config.get("ckpt_path"))
+
+    def instantiate_trainer(self, **kwargs: Any):
+        extra = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        if config.get("enable_progress_bar", True) is not False:
+            extra.append(IterationProgressBar())
+        if config.get("enable_model_summary", True) is not False:
+            extra.append(ExpertSummary())
+        return self._instantiate_trainer(config, extra)
+
+
+# ---------------------------------------------------------------------- --preset tiny
+def apply_tiny_preset(config) -> None:
+    """A recipe at the embedded default's size: every expert from its tiny preset, i.e. the shipped asset where
+    there is one (the sources, dtypes, attention backends and offloading of real weights dropped; LoRA,
+    sharding stage and roles kept), one CPU process, the default video size (one frame for an image generator)
+    and text length. The method, its settings and the data stay."""
+    def args(ns):  # a class given as {class_path, init_args} or as its arguments
+        return ns.init_args if "init_args" in ns else ns
+
+    def assign(ns, **values):
+        for key, value in values.items():
+            setattr(ns, key, value)
+
+    card = args(config.model.init_args.card)
+    experts = list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])
+    for expert in map(args, experts):
+        assign(expert, pretrained=None, subfolder=None, tokenizer=None, preset={}, dtype="float32",
+               attention_backend=None, compile=False)
+        if expert.get("zero") is not None:
+            assign(args(expert.zero), offload_optimizer=False, offload_params=False, precision="fp32")
+    card.text_max_length = min(card.get("text_max_length") or 64, 64)
+    run = config.model.init_args.get("run")
+    if run is not None:
+        default = RunArgs()
+        still = args(run).get("frames") == 1  # an image generator stays one frame
+        assign(args(run), frames=1 if still else default.frames, height=default.height, width=default.width)
+    assign(config.trainer, accelerator="cpu", devices=1, num_nodes=1, precision="32-true")
+    if isinstance(config.trainer.get("strategy"), str):
+        config.trainer.strategy = "auto"
+
+
+# ---------------------------------------------------------------------- one run folder, W&B runs
+def _entries(value) -> list:
+    if value is None or isinstance(value, bool):
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def derive_run_folder(trainer, subcommand: str, ckpt_path: Optional[str]) -> None:
+    """Fill what follows from ``trainer.default_root_dir``: the W&B logger's folder, name and run id, and
+    the checkpoint folder (``<root>/checkpoints``: ``--ckpt_path last`` looks only there)."""
+    root = trainer.get("default_root_dir")
+    if not root:
+        return
+    checkpoints = os.path.join(root, "checkpoints")
+    for callback in _entries(trainer.get("callbacks")):
+        if "ModelCheckpoint" in str(callback.get("class_path", "")) and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = checkpoints
+    for logger in _entries(trainer.get("logger")):
+        if "Wandb" not in str(logger.get("class_path", "")):
+            continue
+        args = logger.init_args
+        if args.get("save_dir") in (None, "."):
+            args.save_dir = root
+        name = args.get("name") or os.path.basename(os.path.normpath(root))
+        args.name = name if subcommand == "fit" else f"{name}-{subcommand}"
+        args.job_type = subcommand
+        run = wandb_run_of(ckpt_path, checkpoints)
+        if run and subcommand == "fit":
+            args.id = run  # a resumed fit continues its W&B run
+        elif run:
+            args.group = run  # validate / predict runs sit beside the fit run they evaluate
+
+
+def wandb_run_of(ckpt_path: Optional[str], checkpoints: str) -> Optional[str]:
+    """The W&B run id recorded in the checkpoint ``ckpt_path`` resolves to, if any."""
+    if not ckpt_path:
+        return None
+    from posttrain.modules import checkpoints as ckpt
+
+    path = checkpoints if ckpt_path == "last" else ckpt_path
+    if not os.path.exists(path):
+        return None  # a missing checkpoint is reported by the load itself
+    return ckpt.wandb_run_id(path)
+
+
+# ---------------------------------------------------------------------- a config for the tools
+def parse(config: str, tool: str = "estimate"):
+    """The parsed fit config ``config`` (checked by LightningCLI's parser; nothing built)."""
+    class ParseOnly(PosttrainCLI):
+        def instantiate_classes(self) -> None:  # parse and check the YAML; build nothing
+            pass
+
+        def _set_seed(self) -> None:  # leave the global RNGs alone
+            pass
+
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{tool}: no config file {config!r}")
+    check_experts(config, tool)
+    try:  # LightningCLI warns when a caller's own command line is there too: hide it for the parse
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
+            return ParseOnly(args=["--config", config], run=False, parser_kwargs={"exit_on_error": False}).config
+    except Exception as err:  # jsonargparse's ArgumentError names the key and the value
+        raise ValueError(f"{tool}: {config!r} is not a valid fit config: {err}") from err
+
+
+def check_experts(config: str, tool: str = "estimate") -> None:
+    """The card's experts as written in the YAML, before the parser: every problem in one message."""
+    import yaml
+
+    with open(config) as f:
+        raw = yaml.safe_load(f) or {}
+
+    def args(node: Any) -> dict:
+        node = node if isinstance(node, dict) else {}
+        return node.get("init_args", node) if "class_path" in node else node
+
+    card = args(args(raw.get("model")).get("card"))
+    experts = card.get("experts")
+    if not isinstance(experts, dict) or not experts:
+        raise ValueError(f"{tool}: {config!r} names no experts (model.init_args.card.experts is {experts!r})")
+    named = dict(experts)
+    if card.get("num_refiners"):
+        named["refiner"] = card.get("refiner")
+    problems = []
+    for name, spec in named.items():
+        spec = args(spec)
+        if not spec:
+            problems.append(f"expert {name!r} has no settings: give at least `arch:` (one of {sorted(presets.PRESETS)})")
+            continue
+        if spec.get("arch") not in presets.PRESETS:
+            problems.append(f"expert {name!r}: arch {spec.get('arch')!r} is not one of {sorted(presets.PRESETS)}")
+        if spec.get("trainable") and not spec.get("optimizer"):
+            problems.append(f"expert {name!r} is trainable but has no optimizer; add `optimizer: {{class_path: "
+                            f"torch.optim.AdamW, init_args: {{lr: 1e-4}}}}`")
+    if problems:
+        raise ValueError(f"{tool}: the card of {config!r}:\n  - " + "\n  - ".join(problems))
+
+
+def instantiate_part(cfg, part: str, config: str, tool: str):
+    """One part of a parsed fit config (``"model"`` or ``"data"``) built alone, by its class's own arguments."""
+    from jsonargparse import ArgumentParser
+
+    section = cfg.get(part)
+    if section is None:
+        raise ValueError(f"{tool}: {config!r} has no `{part}:`")
+    module, _, name = section.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module or f"posttrain.{'lit' if part == 'model' else 'datamodules'}"), name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, part)
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    try:
+        return getattr(instantiate(parser.parse_object({part: section.init_args.as_dict()})), part)
+    except Exception as err:  # the method's, the card's and the datamodule's own checks name the problem and the fix
+        raise ValueError(f"{tool}: the {part} of {config!r} does not build: {err}") from err
+
+
