@@ -383,7 +383,8 @@ def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     config["model"]["init_args"]["run"] = dict(SIZE)
     config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline", **secrets}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "WANDB_MODE": "offline",
+           **secrets}
     done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(tmp_path / "config.yaml")],
                           cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -146,7 +146,7 @@ def test_two_experts_under_ddp(tmp_path):
         }
         path = tmp_path / f"{strategy}.yaml"
         path.write_text(yaml.safe_dump(config))
-        env = {**os.environ, "PYTHONPATH": ROOT}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
         return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(path)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
 
