@@ -9,6 +9,12 @@ Concepts can be held out: ``exclude`` drops every sample that shows one of the l
 ``include`` keeps only samples that show at least one. A value is a word (``"magenta"``: as shape
 colour or background) or ``fact:word`` (``"colour:magenta"``: only as the shape's colour). The
 pretrained generator never saw ``PRETRAIN_EXCLUDE``; ``configs/finetune.yaml`` teaches it from data.
+
+Concept mixing (DreamBooth's prior preservation as data, Ruiz et al. 2023): ``concept`` with
+``concept_fraction`` f makes ⌊n·f⌋ or ⌈n·f⌉ of any ``n`` consecutive indices show the concept and
+the others the rest of the world (never the concept), so an epoch holds the fraction and a shuffled
+batch of B holds f·B on average. Without them the world's own mix stands (magenta in about
+1/3 of unfiltered samples).
 """
 from __future__ import annotations
 
@@ -54,38 +60,58 @@ class ShapesDataset(Dataset):
 
     ``exclude`` / ``include``: concepts (see the module docstring) a sample must not / must show. The
     facts of an index are redrawn from its own generator until they pass, so every sample stays a pure
-    function of ``(seed, index)`` and the unfiltered data is unchanged.
+    function of ``(seed, index)`` and the unfiltered data is unchanged. ``concept`` and
+    ``concept_fraction``: the mixing of the module docstring, on top of ``exclude`` / ``include``.
     """
 
     def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
-                 exclude: Sequence[str] = (), include: Sequence[str] = ()):
+                 exclude: Sequence[str] = (), include: Sequence[str] = (), concept: Sequence[str] = (),
+                 concept_fraction: Optional[float] = None):
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples} must be >= 1 (synthetic videos per epoch, e.g. 64)")
         self.num_samples, self.frames, self.height, self.width, self.seed = num_samples, frames, height, width, seed
         self.exclude = parse_concepts(exclude, "exclude")
         self.include = parse_concepts(include, "include")
+        self.concept = parse_concepts(concept, "concept")
         clash = [c for c in self.include if c in self.exclude]
         if clash:
             raise ValueError(f"include and exclude both name {clash}; no sample can pass")
+        if bool(self.concept) != (concept_fraction is not None):
+            raise ValueError(f"concept={list(concept)} and concept_fraction={concept_fraction} come together: name "
+                             f"the concept (e.g. [magenta]) and the share of samples showing it (e.g. 0.5)")
+        if concept_fraction is not None and not 0.0 <= concept_fraction <= 1.0:
+            raise ValueError(f"concept_fraction={concept_fraction} must be in [0, 1] (e.g. 0.5: half of the samples "
+                             f"show the concept, half the rest of the world)")
+        self.concept_fraction = concept_fraction
+
+    def shows_concept(self, index: int) -> Optional[bool]:
+        """Whether sample ``index`` must show the concept (None: no mixing). Index i does when
+        ⌊(i+1)·f⌋ > ⌊i·f⌋, which spreads exactly ⌊n·f⌋ or ⌈n·f⌉ of any n consecutive indices evenly."""
+        if self.concept_fraction is None:
+            return None
+        f = self.concept_fraction
+        return int((index + 1) * f) > int(index * f)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def accepts(self, facts: Facts) -> bool:
-        return not any(shows(facts, c) for c in self.exclude) and \
+    def accepts(self, facts: Facts, concept: Optional[bool] = None) -> bool:
+        mixed = concept is None or any(shows(facts, c) for c in self.concept) == concept
+        return mixed and not any(shows(facts, c) for c in self.exclude) and \
             (not self.include or any(shows(facts, c) for c in self.include))
 
     def facts(self, index: int) -> tuple[str, str, str, str]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        colours = list(COLOURS)
+        colours, concept = list(COLOURS), self.shows_concept(index)
         for _ in range(1000):
             colour = colours[int(torch.randint(len(colours), (1,), generator=g))]
             background = [c for c in colours if c != colour][int(torch.randint(len(colours) - 1, (1,), generator=g))]
             shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
             motion = list(MOTIONS)[int(torch.randint(len(MOTIONS), (1,), generator=g))]
-            if self.accepts(Facts(shape, colour, background, motion)):
+            if self.accepts(Facts(shape, colour, background, motion), concept):
                 return shape, colour, motion, background
-        raise ValueError(f"no sample passes exclude={self.exclude} include={self.include}; loosen them")
+        raise ValueError(f"no sample passes exclude={self.exclude} include={self.include} concept={self.concept} "
+                         f"(this sample {'must' if concept else 'must not'} show it); loosen them")
 
     def __getitem__(self, index: int) -> dict:
         shape, colour, motion, background = self.facts(index)
@@ -105,20 +131,26 @@ class SyntheticVideos(ResumableDataModule):
         batch_size, num_workers, seed: loader settings; ``seed`` fixes content and order.
         exclude, include: concepts held out of / required in every split (``"magenta"``,
             ``"colour:magenta"``; see the module docstring).
+        concept, concept_fraction: the share of samples (of every split) that show ``concept``; the others
+            show the rest of the world (prior preservation; see the module docstring). Both unset: the
+            world's own mix.
     """
 
     def __init__(self, num_samples: int = 512, val_samples: int = 8, frames: int = 5, height: int = 32,
                  width: int = 32, batch_size: int = 4, num_workers: int = 0, seed: int = 0,
-                 exclude: Sequence[str] = (), include: Sequence[str] = ()):
+                 exclude: Sequence[str] = (), include: Sequence[str] = (), concept: Sequence[str] = (),
+                 concept_fraction: Optional[float] = None):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.num_samples, self.val_samples = num_samples, val_samples
         self.frames, self.height, self.width = frames, height, width
         self.exclude, self.include = list(exclude), list(include)
-        self.dataset(1)  # check exclude/include at start-up
+        self.concept, self.concept_fraction = list(concept), concept_fraction
+        self.dataset(1)  # check exclude/include/concept at start-up
 
     def dataset(self, num_samples: int, seed_offset: int = 0) -> ShapesDataset:
         return ShapesDataset(num_samples, self.frames, self.height, self.width, self.seed + seed_offset,
-                             exclude=self.exclude, include=self.include)
+                             exclude=self.exclude, include=self.include, concept=self.concept,
+                             concept_fraction=self.concept_fraction)
 
     def train_dataset(self) -> Dataset:
         return self.dataset(self.num_samples)

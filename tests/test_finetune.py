@@ -119,3 +119,27 @@ def test_cache_encodes_a_group_once():
     assert torch.equal(rows[0], rows[2]) and not torch.equal(rows[0], rows[3])
     cache.get_or_compute("text_encoder", 1, ["a"], encode)  # a new encoder version: encoded again
     assert calls[-1] == ["a"] and cache.invalidate("text_encoder", keep_version=1) == 2
+
+
+def test_concept_mixing_puts_the_concept_in_its_fraction_and_leaves_the_default_data_alone():
+    """concept=[magenta], concept_fraction=f: ⌊n·f⌋ of the first n indices show magenta (here 24 of 64 at
+    f = 3/8, spread evenly: every 8 consecutive indices hold 3), the others never do, and a shuffled epoch of
+    batches carries exactly those 24; without the options the data is what it always was (captions pinned)."""
+    mixed = SyntheticVideos(num_samples=64, frames=1, height=8, width=8, batch_size=8, concept=["magenta"],
+                            concept_fraction=3 / 8)
+    epoch = list(mixed.train_dataloader())
+    prompts = [p for batch in epoch for p in batch["prompt"]]
+    assert len(prompts) == 64 and sum("magenta" in p for p in prompts) == 24
+    data = mixed.train_dataset()
+    flags = ["magenta" in data[i]["prompt"] for i in range(64)]
+    assert all(sum(flags[i:i + 8]) == 3 for i in range(0, 64, 8))  # even spread, not a block at the end
+    assert [data.shows_concept(i) for i in range(64)] == flags
+    plain = SyntheticVideos(seed=0).train_dataset()
+    assert [plain[i]["prompt"] for i in range(4)] == [
+        "a blue triangle moving left on a cyan background", "a green circle moving left on a cyan background",
+        "a red triangle moving left on a yellow background", "a magenta square moving down on a yellow background"]
+    assert plain.shows_concept(0) is None
+    with pytest.raises(ValueError, match="come together"):
+        SyntheticVideos(concept=["magenta"])
+    with pytest.raises(ValueError, match=r"concept_fraction=1.5 must be in \[0, 1\]"):
+        SyntheticVideos(concept=["magenta"], concept_fraction=1.5)
