@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
-from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts, caption, render
+from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts, caption, parse_caption, render
 
 COLOURS = PALETTE  # the name this module has always exported
 # What the shipped generator (modules/assets/wan_t2v) was pretrained without: no magenta anywhere.
@@ -62,11 +62,13 @@ class ShapesDataset(Dataset):
     facts of an index are redrawn from its own generator until they pass, so every sample stays a pure
     function of ``(seed, index)`` and the unfiltered data is unchanged. ``concept`` and
     ``concept_fraction``: the mixing of the module docstring, on top of ``exclude`` / ``include``.
+    ``exclude_captions``: whole captions no sample may have (e.g. an evaluation's, to score it on
+    combinations training never showed).
     """
 
     def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
                  exclude: Sequence[str] = (), include: Sequence[str] = (), concept: Sequence[str] = (),
-                 concept_fraction: Optional[float] = None):
+                 concept_fraction: Optional[float] = None, exclude_captions: Sequence[str] = ()):
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples} must be >= 1 (synthetic videos per epoch, e.g. 64)")
         self.num_samples, self.frames, self.height, self.width, self.seed = num_samples, frames, height, width, seed
@@ -83,10 +85,16 @@ class ShapesDataset(Dataset):
             raise ValueError(f"concept_fraction={concept_fraction} must be in [0, 1] (e.g. 0.5: half of the samples "
                              f"show the concept, half the rest of the world)")
         self.concept_fraction = concept_fraction
+        written = {c: parse_caption(c) for c in exclude_captions}
+        not_captions = [c for c, f in written.items() if c != caption(f.shape, f.colour, f.motion, f.background)]
+        if not_captions:
+            raise ValueError(f"exclude_captions: {not_captions} are not captions of the world; write them as "
+                             f"{caption('circle', 'red', 'left', 'blue')!r}")
+        self.exclude_captions = frozenset(exclude_captions)
 
     def shows_concept(self, index: int) -> Optional[bool]:
         """Whether sample ``index`` must show the concept (None: no mixing). Index i does when
-        ⌊(i+1)·f⌋ > ⌊i·f⌋, which spreads exactly ⌊n·f⌋ or ⌈n·f⌉ of any n consecutive indices evenly."""
+        ⌊(i+1)·f⌋ > ⌊i·f⌋: ⌊n·f⌋ or ⌈n·f⌉ of any n consecutive indices, spread evenly."""
         if self.concept_fraction is None:
             return None
         f = self.concept_fraction
@@ -96,8 +104,11 @@ class ShapesDataset(Dataset):
         return self.num_samples
 
     def accepts(self, facts: Facts, concept: Optional[bool] = None) -> bool:
-        mixed = concept is None or any(shows(facts, c) for c in self.concept) == concept
-        return mixed and not any(shows(facts, c) for c in self.exclude) and \
+        if concept is not None and any(shows(facts, c) for c in self.concept) != concept:
+            return False
+        if caption(facts.shape, facts.colour, facts.motion, facts.background) in self.exclude_captions:
+            return False
+        return not any(shows(facts, c) for c in self.exclude) and \
             (not self.include or any(shows(facts, c) for c in self.include))
 
     def facts(self, index: int) -> tuple[str, str, str, str]:
@@ -110,8 +121,10 @@ class ShapesDataset(Dataset):
             motion = list(MOTIONS)[int(torch.randint(len(MOTIONS), (1,), generator=g))]
             if self.accepts(Facts(shape, colour, background, motion), concept):
                 return shape, colour, motion, background
-        raise ValueError(f"no sample passes exclude={self.exclude} include={self.include} concept={self.concept} "
-                         f"(this sample {'must' if concept else 'must not'} show it); loosen them")
+        mixing = "" if concept is None else \
+            f" concept={self.concept} (sample {index} {'must' if concept else 'must not'} show it)"
+        raise ValueError(f"no sample passes exclude={self.exclude} include={self.include}{mixing} and "
+                         f"{len(self.exclude_captions)} excluded captions; loosen them")
 
     def __getitem__(self, index: int) -> dict:
         shape, colour, motion, background = self.facts(index)
@@ -134,23 +147,26 @@ class SyntheticVideos(ResumableDataModule):
         concept, concept_fraction: the share of samples (of every split) that show ``concept``; the others
             show the rest of the world (prior preservation; see the module docstring). Both unset: the
             world's own mix.
+        exclude_captions: whole captions held out of every split (``"a red circle moving left on a blue
+            background"``), e.g. an evaluation's.
     """
 
     def __init__(self, num_samples: int = 512, val_samples: int = 8, frames: int = 5, height: int = 32,
                  width: int = 32, batch_size: int = 4, num_workers: int = 0, seed: int = 0,
                  exclude: Sequence[str] = (), include: Sequence[str] = (), concept: Sequence[str] = (),
-                 concept_fraction: Optional[float] = None):
+                 concept_fraction: Optional[float] = None, exclude_captions: Sequence[str] = ()):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.num_samples, self.val_samples = num_samples, val_samples
         self.frames, self.height, self.width = frames, height, width
         self.exclude, self.include = list(exclude), list(include)
         self.concept, self.concept_fraction = list(concept), concept_fraction
-        self.dataset(1)  # check exclude/include/concept at start-up
+        self.exclude_captions = list(exclude_captions)
+        self.dataset(1)  # check the concepts and captions at start-up
 
     def dataset(self, num_samples: int, seed_offset: int = 0) -> ShapesDataset:
         return ShapesDataset(num_samples, self.frames, self.height, self.width, self.seed + seed_offset,
                              exclude=self.exclude, include=self.include, concept=self.concept,
-                             concept_fraction=self.concept_fraction)
+                             concept_fraction=self.concept_fraction, exclude_captions=self.exclude_captions)
 
     def train_dataset(self) -> Dataset:
         return self.dataset(self.num_samples)

@@ -173,3 +173,23 @@ def test_results_bench_seeds_and_zero_lr_control():
     assert optimizer.param_groups[0]["lr"] == 0.0 and cli.datamodule.seed == 2 and cli.model.run.seed == 2
     assert results.cell(0.5, [0.6]) == "0.500 → 0.600"
     assert results.cell(0.5, [0.8, 0.6, 0.7]) == "0.500 → 0.700 [0.600, 0.800]"
+
+
+def test_exclude_captions_holds_an_evaluations_captions_out():
+    """exclude_captions: no sample of any split has one of them (here the 3 magenta captions the first 40 mixed
+    samples show most), the others stay what they were; a string that is not a world caption is refused."""
+    from collections import Counter
+
+    mixed = dict(frames=1, height=8, width=8, concept=["magenta"], concept_fraction=0.5)
+    plain = SyntheticVideos(num_samples=40, **mixed).train_dataset()
+    prompts = [plain[i]["prompt"] for i in range(40)]
+    held = [p for p, _ in Counter(p for p in prompts if "magenta" in p).most_common(3)]
+    data = SyntheticVideos(num_samples=40, exclude_captions=held, **mixed)
+    kept = data.train_dataset()
+    assert not any(kept[i]["prompt"] in held for i in range(40))
+    assert all(kept[i]["prompt"] == p for i, p in enumerate(prompts) if p not in held)
+    assert sum("magenta" in kept[i]["prompt"] for i in range(40)) == 20  # the mixing holds
+    assert not any(b in held for batch in data.val_dataloader() for b in batch["prompt"])
+    with pytest.raises(ValueError, match="exclude_captions: .*'a red blob moving left on a blue background'.* are "
+                                         "not captions of the world"):
+        SyntheticVideos(exclude_captions=["a red blob moving left on a blue background"])
