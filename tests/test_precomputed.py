@@ -52,8 +52,8 @@ def test_training_on_precomputed_rows_is_bitwise_training_on_the_fly(tmp_path):
     assert set(manifest["sources"]) == {"vae", "text_encoder"}
 
     on_the_fly = train(*method_and_data(config))
-    model, _ = method_and_data(config)
-    rows = PrecomputedVideos(str(out), batch_size=4)
+    model, data = method_and_data(config)
+    rows = PrecomputedVideos(str(out), batch_size=data.batch_size)  # the config's batch, as on the fly
     encoder = model.card.specs["text_encoder"]
     calls = []
     with mock.patch("posttrain.modules.generators.wan.umt5_embeds", side_effect=lambda *a: calls.append(a)):
