@@ -201,3 +201,30 @@ def test_hps_state_dict_maps_an_open_clip_checkpoint_onto_every_clip_weight(clip
     mapped = hps_state_dict(oc, num_vision_layers=1, num_text_layers=1)
     assert set(mapped) == set(sd)
     assert all(torch.equal(mapped[k], sd[k]) for k in sd)
+
+
+def test_estimate_counts_a_local_reward_models_frozen_weights(clip_folder, tmp_path):
+    """A WeightedReward of PickScore and the aesthetic predictor in flow_grpo's config: one row per model, its
+    parameters in float32, no gradients or optimizer state, in the device total."""
+    import yaml
+    from transformers import CLIPModel
+
+    from posttrain.lit.tools.estimate import estimate
+
+    with open("configs/flow_grpo.yaml") as f:
+        config = yaml.safe_load(f)
+    config["model"]["init_args"]["reward"] = {"class_path": "WeightedReward", "init_args": {"rewards": {
+        "pick": {"class_path": "PickScore", "init_args": {"path": clip_folder}},
+        "aes": {"class_path": "LaionAesthetic", "init_args": {"path": clip_folder}}}}}
+    path = tmp_path / "flow_grpo_pickscore.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = estimate(str(path), activations=False)
+    clip = sum(p.numel() for p in CLIPModel.from_pretrained(clip_folder).parameters())
+    head = sum(p.numel() for p in AestheticHead(16).parameters())
+    for name, params in (("reward/pick/pickscore", clip), ("reward/aes/aesthetic_clip", clip),
+                         ("reward/aes/aesthetic_head", head)):
+        row = result[name]
+        assert (row.params, row.trainable, row.param_bytes, row.grad_bytes, row.optimizer_bytes) == \
+            (params, 0, 4 * params, 0, 0), name
+        assert row.placement == "frozen reward" and name in result.table()
+    assert result.device_bytes == sum(c.device_bytes for c in result.components)
