@@ -58,6 +58,14 @@ def features(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
+def cosines(model: nn.Module, pixel_values: torch.Tensor, tokens) -> torch.Tensor:
+    """(N,) cosine of each picture's and its text's projected CLIP embeddings, in float32."""
+    image = features(model.get_image_features(pixel_values=pixel_values)).float()
+    text = features(model.get_text_features(input_ids=tokens["input_ids"],
+                                            attention_mask=tokens["attention_mask"])).float()
+    return ((image / image.norm(dim=-1, keepdim=True)) * (text / text.norm(dim=-1, keepdim=True))).sum(-1)
+
+
 def _fix(expected: str) -> str:
     return (f"give `path:` a local folder holding {expected} (`huggingface-cli download <repo> --local-dir <folder>` "
             f"once, then the folder; nothing is downloaded at run time)")
@@ -185,10 +193,7 @@ class PickScore(FrameReward):
     def cosines(self, pictures: list[np.ndarray], texts: list[str], device: torch.device) -> torch.Tensor:
         pixels = self.image_processor(images=pictures, return_tensors="pt")["pixel_values"]
         tokens = self.tokenizer(texts, padding=True, truncation=True, max_length=77, return_tensors="pt")
-        image = features(self.model.get_image_features(pixel_values=pixels.to(device, self.dtype))).float()
-        text = features(self.model.get_text_features(input_ids=tokens["input_ids"].to(device),
-                                                     attention_mask=tokens["attention_mask"].to(device))).float()
-        return ((image / image.norm(dim=-1, keepdim=True)) * (text / text.norm(dim=-1, keepdim=True))).sum(-1)
+        return cosines(self.model, pixels.to(device, self.dtype), tokens.to(device))
 
     def picture_scores(self, pictures, texts, device):
         return self.model.logit_scale.float().exp() * self.cosines(pictures, texts, device)
@@ -254,11 +259,7 @@ class HPSv21(FrameReward):
 
     def picture_scores(self, pictures, texts, device):
         tokens = self.tokenizer(texts, padding="max_length", truncation=True, max_length=77, return_tensors="pt")
-        image = features(self.model.get_image_features(pixel_values=self.preprocess(pictures).to(device, self.dtype)))
-        text = features(self.model.get_text_features(input_ids=tokens["input_ids"].to(device),
-                                                     attention_mask=tokens["attention_mask"].to(device)))
-        image, text = image.float(), text.float()
-        return ((image / image.norm(dim=-1, keepdim=True)) * (text / text.norm(dim=-1, keepdim=True))).sum(-1)
+        return cosines(self.model, self.preprocess(pictures).to(device, self.dtype), tokens.to(device))
 
 
 def hps_state_dict(open_clip: dict[str, torch.Tensor], num_vision_layers: int, num_text_layers: int

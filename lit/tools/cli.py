@@ -74,18 +74,19 @@ def preprocess_parser() -> ArgumentParser:
     return parser
 
 
-def reward_parser() -> ArgumentParser:
-    reward = reward_tool.reward
-    parser = ArgumentParser(prog="posttrain reward", description=reward.__doc__, exit_on_error=False)
-    parser.add_function_arguments(reward, as_positional=False)
+def function_parser(function, prog: str) -> ArgumentParser:
+    """A tool's parser: its function's typed arguments, its docstring as ``--help``."""
+    parser = ArgumentParser(prog=prog, description=function.__doc__, exit_on_error=False)
+    parser.add_function_arguments(function, as_positional=False)
     return parser
+
+
+def reward_parser() -> ArgumentParser:
+    return function_parser(reward_tool.reward, "posttrain reward")
 
 
 def serve_reward_parser() -> ArgumentParser:
-    serve = serve_reward_tool.serve_reward
-    parser = ArgumentParser(prog="posttrain serve-reward", description=serve.__doc__, exit_on_error=False)
-    parser.add_function_arguments(serve, as_positional=False)
-    return parser
+    return function_parser(serve_reward_tool.serve_reward, "posttrain serve-reward")
 
 
 # ---------------------------------------------------------------------- errors a user can act on
