@@ -5,6 +5,7 @@
    alternating blocks (``timing.py``); prints videos per second of each side and the ratio remote/local of the time
    per batch with its interval. The remote side pays the request's encoding, the loopback transfer, the decoding and
    the answer; the reward's own work is the same.
+   Both sides run torch on one thread (the server with ``--threads 1``).
 2. The share of a flow_grpo iteration spent waiting on the server: a few iterations of ``configs/flow_grpo.yaml``'s
    method with its reward replaced by ``RemoteReward`` to the same server; per iteration, the seconds the client
    waited for answers over the iteration's seconds (median over iterations).
@@ -40,7 +41,7 @@ PROMPTS = ["a red circle moving left on a blue background", "a yellow square mov
 
 
 def start_server(reward: str, reward_path: str | None) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "posttrain", "serve-reward", "--reward", reward, "--port", "0"]
+    args = [sys.executable, "-m", "posttrain", "serve-reward", "--reward", reward, "--port", "0", "--threads", "1"]
     if reward_path:
         args += ["--reward.path", reward_path]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)

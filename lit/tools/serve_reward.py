@@ -141,7 +141,8 @@ def _server(app):
 
 
 def serve_reward(reward: Reward, host: str = "127.0.0.1", port: int = 8000, token: Optional[str] = None,
-                 allow_remote: bool = False, batch_size: Optional[int] = None, device: Optional[str] = None) -> None:
+                 allow_remote: bool = False, batch_size: Optional[int] = None, device: Optional[str] = None,
+                 threads: Optional[int] = None) -> None:
     """Serve a reward over HTTP for ``RemoteReward`` (FastAPI + uvicorn): ``POST /score`` scores one batch.
 
     Args:
@@ -154,8 +155,14 @@ def serve_reward(reward: Reward, host: str = "127.0.0.1", port: int = 8000, toke
         batch_size: score each request in chunks of at most this many samples (bounds the judge's memory);
             None = a request at once.
         device: where media are put before scoring; None = cuda when available.
+        threads: torch's intra-op CPU threads in the server; None = torch's default (all cores). Beside a trainer
+            on the same CPU cores give it few: threads of two processes spinning on the same cores slow both.
     """
     token = token_from(token)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"serve-reward: --threads={threads} must be >= 1 (or null: torch's default)")
+        torch.set_num_threads(threads)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"serve-reward: --batch_size={batch_size} must be >= 1 (or null: a request at once)")
     sock = bind(host, port, token, allow_remote)
