@@ -230,6 +230,13 @@ def test_distill_bench_runs():
     assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
 
 
+def test_reward_server_bench_runs():
+    out = run_bench("bench/reward_server.py", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
+                    "--per-block", "1", "--iterations", "1")
+    assert "remote/local time per batch (wall)" in out and "videos/s" in out
+    assert "of which waiting on the reward server" in out
+
+
 def test_gpu_bench_tiny_runs_every_part(tmp_path):
     """The prepared GPU check at its tiny size on the CPU: every part yields figures, none an error."""
     import json

@@ -24,11 +24,11 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_help_lists_what_runs(capsys):
-    """fit / validate / predict / export / estimate / preprocess; no `test` (no method has a test_step); no top-level optimizer."""
+    """fit / validate / predict / export / estimate / preprocess / reward / serve-reward; no `test` (no method has a test_step); no top-level optimizer."""
     code, out, _ = run_main(capsys, "--help")
     assert code == 0
-    commands = re.search(r"\{([a-z,]+)\}", out).group(1).split(",")
-    assert commands == ["fit", "validate", "predict", "export", "estimate", "preprocess"]
+    commands = re.search(r"\{([a-z,-]+)\}", out).group(1).split(",")
+    assert commands == ["fit", "validate", "predict", "export", "estimate", "preprocess", "reward", "serve-reward"]
     code, out, _ = run_main(capsys, "fit", "--help")
     assert "--optimizer" not in out and "--lr_scheduler" not in out and "--model.help" in out
 

@@ -199,6 +199,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             components.append(ComponentMemory(name, card.specs[of].arch, f"{of} with adapter off", 0, 0,
                                               notes=["no memory of its own (LoRA reference)"]))
 
+    components += reward_memory(getattr(method, "reward", None))
+
     # 3. activations of the trainable experts' training forward
     if activations:
         for c in components:
@@ -215,6 +217,19 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
     if autocast is not None:
         rows_note += f", {autocast} autocast"
     return MemoryEstimate(config, devices, num_nodes, components, rows_note)
+
+
+def reward_memory(reward: Any) -> list[ComponentMemory]:
+    """One row per model a local reward holds (PickScore, HPSv2.1, the aesthetic predictor, CLIPScore): frozen
+    weights in their dtype, no gradients, no optimizer state; a ``RemoteReward`` holds none here."""
+    from posttrain.modules.preference import reward_models
+
+    rows = []
+    for name, model in reward_models(reward).items():
+        params = list(model.parameters())
+        rows.append(ComponentMemory(name, type(model).__name__, "frozen reward", _numel(params), 0,
+                                    param_bytes=sum({id(p): p.numel() * p.element_size() for p in params}.values())))
+    return rows
 
 
 def lightning_precision(precision: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
