@@ -230,7 +230,8 @@ class VideoFolder(ResumableDataModule):
     Args:
         root: the data folder.
         frames: frames per sample (Wan VAE: 4k+1; 1 for images).
-        height, width: output size in pixels; each item is resized to cover it and center-cropped.
+        height, width: output size in pixels; each item is resized to cover it and center-cropped. The
+            ``posttrain`` command sets frames, height and width from ``model.init_args.run``.
         frame_stride: take every ``frame_stride``-th source frame, from the clip's first.
         repeat_images: with ``frames > 1``, make an image a still clip instead of rejecting it.
         latents_cache: folder of precomputed VAE latents; batches then carry ``latents``, not ``video``.
