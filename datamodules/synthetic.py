@@ -101,7 +101,7 @@ class SyntheticVideos(ResumableDataModule):
     Args:
         num_samples: training set size; validation uses ``val_samples`` more indices after them.
         frames, height, width: video size in pixels (Wan VAE: frames = 4k+1; H and W multiples of the
-            VAE's spatial compression).
+            VAE's spatial compression); the ``posttrain`` command sets them from ``model.init_args.run``.
         batch_size, num_workers, seed: loader settings; ``seed`` fixes content and order.
         exclude, include: concepts held out of / required in every split (``"magenta"``,
             ``"colour:magenta"``; see the module docstring).

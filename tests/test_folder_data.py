@@ -328,3 +328,32 @@ def test_finetune_folder_config_parses(clips, tmp_path, monkeypatch):
     assert cli.datamodule.root == str(clips) and cli.datamodule.latents_cache is not None
     assert (cli.datamodule.frames, cli.datamodule.height, cli.datamodule.width) == \
         (cli.model.video.frames, cli.model.video.height, cli.model.video.width)
+
+
+def test_finetune_folder_with_a_one_frame_run_trains_on_images(tmp_path, monkeypatch):
+    """configs/finetune_folder.yaml with `run: {frames: 1}` (the YAML edited, as a user would) on a folder of
+    images: the data takes the run's one frame and `posttrain fit` trains (before, VideoFolder kept frames=9 and
+    refused every image "but frames=9")."""
+    import yaml
+
+    from posttrain.lit.tools.cli import main
+
+    root = tmp_path / "images"
+    root.mkdir()
+    for i, rgb in enumerate([(255, 0, 0), (0, 0, 255), (0, 255, 0), (255, 255, 0)]):
+        caption(image(root / f"{i}.png", rgb, size=(48, 40)), f"image {i}")
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "finetune_folder.yaml")
+    with open(config) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["init_args"]["run"]["frames"] = 1
+    path = tmp_path / "images.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    # returns (no SystemExit): the run trained
+    main(["fit", "--config", str(path), "--trainer.max_steps=1", "--trainer.logger=false",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          f"--trainer.default_root_dir={run}", f"--data.init_args.root={root}",
+          f"--data.init_args.latents_cache={tmp_path / 'latents'}", "--data.init_args.batch_size=2"])
+    latents = [folder.load_file(str(p))["latents"] for p in (tmp_path / "latents").iterdir()]
+    assert len(latents) == 4 and all(z.shape[1] == 1 for z in latents)  # (z, F'=1, h, w): one frame each

@@ -126,6 +126,8 @@ def condense(message: str) -> str:
             line = (f"class_path {name!r} is not a class posttrain knows by that name: give its full import path "
                     f"(e.g. `diffusers.{name}`, `torch.optim.{name}`, `posttrain.modules.rewards.{name}`)")
         line = re.sub(r"Expected a <class '(\w+)'>\. Got value: (.*)$", r"expected type \1, got \2", line)
+        # a link's own check (one video size): its message, without the link's arguments dumped around it
+        line = re.sub(r"^.*Call to compute_fn of link '[^']*' with args \(.*\) failed: ", "", line)
         lines.append(line.strip().lstrip("- ").strip())
     seen, kept = set(), []
     for line in lines:
