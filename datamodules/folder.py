@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules import batch as batch_schema
 from posttrain.modules import presets
 from posttrain.modules import vae as vae_codec
 from posttrain.modules.cache import file_hash
@@ -201,7 +202,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 class FolderDataset(Dataset):
-    """Items of a folder as ``{"video" | "latents", "prompt", "index"}``."""
+    """Items of a folder in the batch schema (``modules/batch.py``), with ``video`` or ``latents``."""
 
     def __init__(self, items: list[tuple[str, str]], frames: int, height: int, width: int, frame_stride: int,
                  repeat_images: bool, latents: Optional[list[str]] = None):
@@ -219,8 +220,8 @@ class FolderDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         prompt = self.items[index][1]
         if self.latents is not None:
-            return {"latents": load_file(self.latents[index])["latents"], "prompt": prompt, "index": index}
-        return {"video": self.video(index), "prompt": prompt, "index": index}
+            return batch_schema.item(prompt, index, latents=load_file(self.latents[index])["latents"])
+        return batch_schema.item(prompt, index, video=self.video(index))
 
 
 # ---------------------------------------------------------------------- datamodule
@@ -397,5 +398,5 @@ class VideoFolder(ResumableDataModule):
         """The held-out captions (or the first ``batch_size`` training captions) as prompts."""
         self._scan()
         items = self.val_items or self.train_items[: self.batch_size]
-        return DataLoader([{"prompt": caption, "seed": i} for i, (_, caption) in enumerate(items)],
+        return DataLoader([batch_schema.item(caption, i) for i, (_, caption) in enumerate(items)],
                           batch_size=self.batch_size)

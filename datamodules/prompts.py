@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.datamodules.synthetic import ShapesDataset
+from posttrain.modules import batch as batch_schema
 
 
 PROMPT_LINE = ('each line is one JSON object, keys and strings in double quotes: {"prompt": "a red circle moving left '
@@ -58,7 +59,7 @@ class PromptDataset(Dataset):
         return len(self.prompts)
 
     def __getitem__(self, index: int) -> dict:
-        return {"prompt": self.prompts[index], "seed": index}
+        return batch_schema.item(self.prompts[index], index)
 
 
 class Prompts(ResumableDataModule):

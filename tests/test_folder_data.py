@@ -73,7 +73,7 @@ def test_videos_with_txt_captions_give_synthetic_style_batches(clips):
     dm = VideoFolder(str(clips), frames=5, height=16, width=16, frame_stride=2, batch_size=3)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"video", "prompt", "index"}
+    assert set(batch) == {"video", "prompt", "index", "group"}
     assert batch["video"].shape == (3, 3, 5, 16, 16) and batch["video"].dtype == torch.float32
     assert -1.0 <= batch["video"].min() < -0.5 and 0.5 < batch["video"].max() <= 1.0
     by_name = {os.path.basename(p): c for p, c in dm.train_items}
@@ -163,7 +163,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
     dm = loaded(frames=5, height=16, width=16)
     assert len(calls) == 3 and len(list(cache.iterdir())) == 3
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"latents", "prompt", "index"}
+    assert set(batch) == {"latents", "prompt", "index", "group"}
     assert batch["latents"].shape == (3, 16, 2, 4, 4)  # (B, z, (F-1)/4+1, H/4, W/4): the 4x world VAE
     # the cached latents are what the VAE gives for the same pixels
     item = dm.train_dataset()[0]
@@ -210,7 +210,7 @@ def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_pa
     assert trainer.global_step == 3
     # 5 train + 1 val items, each encoded once; training itself never ran the VAE (batches carry latents)
     assert len(calls) == 6 and len(list(cache.iterdir())) == 6
-    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert torch.isfinite(trainer.callback_metrics["train/loss/transformer"])
     assert "val/loss" in trainer.callback_metrics  # validation ran on cached latents
     # the next run with the same VAE weights finds every entry
     again = data()
