@@ -114,7 +114,7 @@ def main() -> None:
                     limit_val_batches=0, callbacks=[times]).fit(method, Prompts(prompts=PROMPTS, batch_size=2))
             rows = times.rows[1:] or times.rows  # the first iteration also builds caches
             share = statistics.median(w / t for t, w in rows)
-            print(f"2. flow_grpo ({len(rows)} iterations of 2 prompts x K={method.num_samples_per_prompt}, "
+            print(f"2. flow_grpo ({len(rows)} iterations of 2 prompts x K={method.grpo.num_samples_per_prompt}, "
                   f"{method.video.frames}x{method.video.height}x{method.video.width}): "
                   f"{statistics.median(t for t, _ in rows) * 1e3:.0f} ms per iteration, of which waiting on the "
                   f"reward server {statistics.median(w for _, w in rows) * 1e3:.1f} ms: share {share:.1%}")
