@@ -365,12 +365,14 @@ def rewrite_verdicts(rewrites: Sequence[str], asked: Sequence[Facts],
 
 
 def accuracy(verdicts: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per fact, the share shown among the samples asking it (NaN when none does); ``all``, the share of
-    samples showing every fact they ask. ``verdicts``: ``{fact: (B,)}`` 1 / 0 / NaN (``judge_facts``)."""
+    """Per fact, the share right among the samples asking it (NaN when none does); ``all``, the share of the
+    samples asking any fact that get every fact they ask right; ``n``, how many those are. ``verdicts``:
+    ``{fact: (B,)}`` 1 / 0 / NaN (``geneval.judge_facts``, ``rewrite_verdicts``)."""
     table = torch.stack([verdicts[f] for f in FACTS], dim=1).double()  # (B, 4)
     asked = ~table.isnan()
     scores = {f: round(float(table[asked[:, i], i].mean()), 3) if asked[:, i].any() else float("nan")
               for i, f in enumerate(FACTS)}
-    scores["all"] = round(float((table.nan_to_num(1.0) == 1).all(1).double().mean()), 3)
-    scores["n"] = int(table.shape[0])
+    rows = asked.any(1)
+    scores["all"] = round(float((table[rows].nan_to_num(1.0) == 1).all(1).double().mean()), 3)
+    scores["n"] = int(rows.sum())
     return scores
