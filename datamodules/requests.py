@@ -27,7 +27,8 @@ class RequestDataset(Dataset):
     def __init__(self, num_requests: int, seed: int = 0, split: Literal["train", "eval"] = "train",
                  drop_rate: float = 0.25, exclude: Sequence[str] = (), include: Sequence[str] = (), start: int = 0):
         self.facts = ShapesDataset(max(num_requests, 1), 1, 8, 8, seed, exclude=exclude, include=include)
-        self.num_requests, self.seed, self.split, self.drop_rate, self.start = num_requests, seed, split, drop_rate, start
+        self.num_requests, self.seed, self.split = num_requests, seed, split
+        self.drop_rate, self.start = drop_rate, start
         self.request(0)  # check split and drop_rate at start-up
 
     def __len__(self) -> int:

@@ -18,8 +18,9 @@ The grammar (a request is a pure function of its facts and a ``torch.Generator``
 - a fact left out: with probability ``drop_rate`` one of colour, background or motion.
 
 Split ``"train"`` uses only train words, templates and fillers; split ``"eval"`` only held-out ones
-(every word of a held-out request is one no train request uses), so a score on ``"eval"`` measures
-wording never trained on. The held-out words are relatives of train words or of the world's words
+(no value word, verb, noun, filler or template of a held-out request occurs in a train request; the
+templates' glue words, ``a``, ``is``, ``and``, are shared), so a score on ``"eval"`` measures wording never
+trained on. The held-out words are relatives of train words or of the world's words
 where English has one (``reddish``, ``disk``, ``leftwards``), readable from their bytes by a byte-level
 LM; the others (``tile``, ``arrowhead``, ``canvas``, ``gliding``) no model here can know.
 """

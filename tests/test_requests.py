@@ -14,7 +14,7 @@ from posttrain.modules.intent import IntentReward
 from posttrain.modules.requests import (
     CONCERN_TEMPLATES, CONCERNS, FILLERS, LEXICON, REWRITE_TEMPLATE, TEMPLATES, accuracy, canonical_caption,
     compose_concerns, concern_target, facts_from_batch, parse_request, refine, rewrite_verdicts, served_prompt,
-    wording, write_request,
+    wording,
 )
 from posttrain.modules.rewards import score, term_of
 from posttrain.modules.world import FACTS, PALETTE, Facts, parse_caption, render
@@ -183,7 +183,9 @@ def test_accuracy_counts_asked_facts_only():
     read = rewrite_verdicts(["a red circle moving left", "a blue square"], [Facts("circle", "red", None, "up")] * 2)
     assert read["shape"].tolist() == [1.0, 0.0] and read["motion"].tolist() == [0.0, 0.0]
     assert read["background"].isnan().all()
-    assert rewrite_verdicts(["red on blue"], [Facts("circle", "red", "cyan", "up")], "colours")["colour"].tolist() == [1.0]
+    colours = rewrite_verdicts(["red on blue"], [Facts("circle", "red", "cyan", "up")], "colours")
+    assert colours["colour"].tolist() == [1.0] and colours["background"].tolist() == [0.0]
+    assert colours["shape"].isnan().all()
 
 
 def test_the_shipped_refiner_rewrites_seen_requests_well_but_not_perfectly(refiner, one_thread):
