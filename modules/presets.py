@@ -138,6 +138,10 @@ TRAINED_ASSETS = {arch: os.path.join(_ASSETS, arch) for arch in ("wan_vae", "umt
 # trained in that VAE's latent space and reads that UMT5's states).
 TRAINED_ASSETS.update({arch: os.path.join(_ASSETS, arch) for arch in ("vae_kl", "flux", "clip", "t5", "wan_i2v")
                        if os.path.isdir(os.path.join(_ASSETS, arch))})
+# The world's pretrained refiner (scripts/train_refiner.py): a ``qwen2`` (Qwen2ForCausalLM, ByT5 bytes) that rewrites a
+# user request into the caption the generator reads. Not a preset's default (a plain ``arch: qwen2`` stays the random
+# tiny LM); a card names it as ``{arch: qwen2, pretrained: modules/assets/refiner}`` (from the repository root).
+REFINER_ASSET = os.path.join(_ASSETS, "refiner")
 
 
 def model_class(arch: str) -> type[torch.nn.Module]:

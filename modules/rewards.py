@@ -207,8 +207,15 @@ class SyntheticGenEvalReward(Reward):
             raise ValueError(f"SyntheticGenEvalReward: total={total!r}; choose 'mean' or 'all'")
         self.total, self.min_motion = total, min_motion
 
+    def verdicts(self, media, prompts, context=None) -> dict[str, torch.Tensor]:
+        """``{fact: (B,)}``: 1 shown, 0 not, NaN not asked (``geneval.judge`` of the prompts scored)."""
+        return judge(media.detach(), prompts_for_scoring(prompts, context), self.min_motion)
+
     def __call__(self, media, prompts, context=None) -> RewardOutput:
-        verdicts = judge(media.detach(), prompts_for_scoring(prompts, context), self.min_motion)
+        return self.combine(self.verdicts(media, prompts, context))
+
+    def combine(self, verdicts: dict[str, torch.Tensor]) -> RewardOutput:
+        """The total (``mean`` of the facts asked, or ``all`` shown) and one term per fact (0 where not asked)."""
         table = torch.stack(list(verdicts.values()), dim=1)  # (B, 4): 1 shown, 0 not, NaN not asked
         asked = ~table.isnan()
         if self.total == "mean":
