@@ -7,8 +7,8 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
   process only ever holds its shard), stored weights filled module by module, through ``card.build(build_expert=...)``;
 - in ``configure_ddp`` gives each sharded expert its own ``deepspeed.initialize`` engine — its own
   optimizer and scheduler from the card, ZeRO stage 2/3, optional CPU offload, fp32/bf16, all from
-  ``Expert.zero`` — and puts the engine back on the card (``card.models[name]``), so methods call it
-  like the model;
+  ``Expert.zero`` — kept here (``engines``); the card's model stays the model, and the card runs its forward
+  through the engine (``card.route``: DeepSpeed's forward registers the backward hooks its optimizer needs);
 - keeps every other parameter under DDP (the engines' parameters are listed in
   ``_ddp_params_and_buffers_to_ignore``; nothing is wrapped when no trainable parameter is left);
 - routes ``ExpertModule.backward_experts`` / ``_step_one`` through the engines (``expert_backward``,
@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from posttrain.lit.engine.checkpoint_io import storage_meta
+from posttrain.lit.engine.resume import check_signature
 from posttrain.modules import checkpoints as ckpt
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
@@ -154,7 +155,7 @@ class ShardedExpertsStrategy(DDPStrategy):
             except Exception as err:  # DeepSpeed raises AssertionError/ValueError/pydantic errors
                 raise ValueError(f"DeepSpeed rejected the ZeRO config of expert {name!r} ({spec.zero}): "
                                  f"{type(err).__name__}: {err}. Fix `zero:` of that expert.") from err
-            card.models[name] = engine
+            card.route(name, engine)
             self.engines[name] = engine
 
         # DDP for the rest: the engines reduce their own gradients.
@@ -305,8 +306,6 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     def check_resumable(self, checkpoint: dict, path: str) -> None:
         """Refuse, before anything loads, a checkpoint of other experts, other ZeRO stages or world size."""
-        from posttrain.lit.base import check_signature
-
         card = self._card()
         if "posttrain" in checkpoint:
             check_signature(checkpoint["posttrain"]["signature"], card.signature())
