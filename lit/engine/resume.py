@@ -69,7 +69,8 @@ class ExactResume(LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
-        if self._rng_between_batches is not None and self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+        trainer = self.trainer
+        if self._rng_between_batches is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
             _set_rng_states(self._rng_between_batches)
 
     # ------------------------------------------------------------------ the checkpoint's `posttrain` entry

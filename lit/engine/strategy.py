@@ -76,6 +76,9 @@ class ShardedExpertsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
+        if self.root_device.type == "cpu":
+            # DeepSpeed probes for an accelerator when imported and warns that it fell back to the CPU: say so instead
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         if self.root_device.type == "cpu":
@@ -228,14 +231,15 @@ class ShardedExpertsStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         destination = str(filepath)
         temp = ckpt.temp_path(destination, self.broadcast(ckpt.new_token() if self.is_global_zero else None))
-        if self.is_global_zero:
-            os.makedirs(temp)
+        with self._all_or_none(temp, destination):
+            if self.is_global_zero:  # with every folder DeepSpeed would create: it writes nothing before its files
+                for name in self.trained_engines:
+                    os.makedirs(os.path.join(temp, name, TAG))
         self.barrier("sharded_checkpoint_dir")
         ckpt.fault_point("write:start")
         meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
         with self._all_or_none(temp, destination):
-            for name, engine in self.trained_engines.items():
-                engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+            self._save_engines(temp)
         ckpt.fault_point("write:shards")
         hashed: dict[str, dict] = {}
         with self._all_or_none(temp, destination):
@@ -246,9 +250,11 @@ class ShardedExpertsStrategy(DDPStrategy):
                     json.dump(meta, f, indent=1)
         ckpt.fault_point("write:state")
         # every process hashes and fsyncs a share of the files (the shards are most of the bytes)
-        files = [rel for rel in ckpt.files_under(temp) if rel != ckpt.STATE]
-        mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
-                for rel in files[self.global_rank::self.world_size]}
+        mine: dict[str, dict] = {}
+        with self._all_or_none(temp, destination):
+            files = [rel for rel in ckpt.files_under(temp) if rel != ckpt.STATE]
+            mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
+                    for rel in files[self.global_rank::self.world_size]}
         shares: list = [None] * self.world_size
         dist.all_gather_object(shares, mine)
         with self._all_or_none(temp, destination):
@@ -259,21 +265,42 @@ class ShardedExpertsStrategy(DDPStrategy):
                             meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
                                   "world_size": self.world_size, **(storage_meta(storage_options) or {})})
 
+    def _save_engines(self, temp: str) -> None:
+        """Every trained engine's ``save_checkpoint`` into ``temp``. A write that fails there (its files are written
+        between DeepSpeed's collectives: two barriers and the tag check before, a barrier after) leaves the
+        closing barrier, which the processes that wrote wait at: the failed one joins it, so that every process
+        then reaches the same agreement (``_all_or_none``)."""
+        failure: Optional[Exception] = None
+        for name, engine in self.trained_engines.items():
+            try:
+                engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+            except Exception as err:
+                dist.barrier()
+                failure = failure or err
+        if failure is not None:
+            raise failure
+
     @contextlib.contextmanager
     def _all_or_none(self, temp: str, destination: str) -> Iterator[None]:
-        """One phase of a save, then agreement: if any process failed to write (a full disk), all of them stop
-        with the same message and rank 0 removes the temporary folder (earlier checkpoints and ``last`` stay)."""
-        failure: Optional[OSError] = None
+        """One phase of a save, then agreement: if any process failed (a full disk, a file-size limit, anything —
+        torch's zip writer raises RuntimeError, DeepSpeed its own), all of them stop with the same message, naming
+        the process and the cause, and rank 0 removes the temporary folder (earlier checkpoints and ``last``
+        stay)."""
+        failure: Optional[str] = None
         try:
             yield
-        except OSError as err:
-            failure = err
-        if not self.reduce_boolean_decision(failure is not None, all=False):
+        except Exception as err:
+            failure = ckpt.failure_of(err)
+        failures: list = [None] * self.world_size
+        dist.all_gather_object(failures, failure)
+        failed = [(rank, reason) for rank, reason in enumerate(failures) if reason is not None]
+        if not failed:
             return
         if self.is_global_zero:
             shutil.rmtree(temp, ignore_errors=True)
-        reason = (failure.strerror or str(failure)) if failure is not None else "another process could not write"
-        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason))
+        rank, reason = failed[0]
+        where = f" on process {rank}" if self.world_size > 1 else ""
+        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason, where))
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
