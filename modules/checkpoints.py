@@ -248,32 +248,53 @@ def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optiona
         shutil.rmtree(temp, ignore_errors=True)
         if not isinstance(err, Exception):  # an interrupt: the write did not fail, it was stopped
             raise
-        raise CheckpointError(write_failed(destination, failure_of(err))) from err
+        raise CheckpointError(write_failed(destination, *failure_of(err, destination))) from err
 
 
-def failure_of(err: BaseException) -> str:
-    """Why a write failed, in the operating system's words where it gave any: torch's zip writer turns a failed
-    ``write`` into ``RuntimeError: [enforce fail at inline_container.cc:…] . unexpected pos …``, with the
-    ``OSError`` (``File too large``, ``No space left on device``) as its context."""
+def failure_of(err: BaseException, destination: str) -> tuple[str, str]:
+    """(cause, fix) of a failed write, told on the process where it failed.
+
+    The cause is the operating system's error where Python saw one: torch's zip writer over a Python file turns
+    a failed ``write`` into ``RuntimeError: [enforce fail at inline_container.cc:…] . unexpected pos …`` with the
+    ``OSError`` (``File too large``, ``No space left on device``) as its context. Its C++ file writer (DeepSpeed's
+    shards) raises the same text with no error behind it: a file stopped part-way, because the disk is full or a
+    file-size limit was reached — the process's limit tells which."""
+    limit = _file_size_limit()
     cause: Optional[BaseException] = err
-    while cause is not None:
-        if isinstance(cause, OSError):
-            return cause.strerror or str(cause)
+    while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def write_failed(destination: str, reason: str, where: str = "") -> str:
-    """The message of a failed checkpoint write: the destination, the cause (``where``: on which process) and the
-    fix."""
-    folder = os.path.dirname(os.path.abspath(destination))
-    if reason == os.strerror(errno.EFBIG):
-        fix = (f"The checkpoint is larger than the largest file a process may write there (a file-size limit, "
-               f"`ulimit -f`, or the filesystem's maximum): raise that limit, or point ModelCheckpoint's dirpath "
-               f"elsewhere")
+    if cause is not None:
+        reason, code = cause.strerror or str(cause), cause.errno
     else:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        short = re.search(r"unexpected pos \d+ vs \d+", text)
+        reason = (f"a file write stopped part-way (torch: {short.group(0)})" if short
+                  else f"{type(err).__name__}: {text}" if text else type(err).__name__)
+        code = errno.EFBIG if short and limit is not None else None
+    if code == errno.EFBIG and limit is not None:
+        fix = (f"This process may write files of at most {limit} bytes (a file-size limit, `ulimit -f`) and the "
+               f"checkpoint's are larger: raise that limit, or point ModelCheckpoint's dirpath elsewhere")
+    elif code == errno.EFBIG:
+        fix = "The checkpoint is larger than the filesystem's largest file: point ModelCheckpoint's dirpath elsewhere"
+    else:
+        folder = os.path.dirname(os.path.abspath(destination))
         fix = f"Free space in {folder!r} (or point ModelCheckpoint's dirpath elsewhere)"
+    return reason, fix
+
+
+def _file_size_limit() -> Optional[int]:
+    """The largest file this process may write (``RLIMIT_FSIZE``), or None without a limit."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def write_failed(destination: str, reason: str, fix: str, where: str = "") -> str:
+    """The message of a failed checkpoint write: the destination, the cause (``where``: on which process) and the
+    fix (``failure_of``)."""
     return (f"writing checkpoint {destination!r} failed{where} ({reason}); the earlier checkpoints are unchanged (its "
             f"temporary folder is removed). {fix}, and resume with --ckpt_path last")
 

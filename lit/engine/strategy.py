@@ -286,21 +286,21 @@ class ShardedExpertsStrategy(DDPStrategy):
         torch's zip writer raises RuntimeError, DeepSpeed its own), all of them stop with the same message, naming
         the process and the cause, and rank 0 removes the temporary folder (earlier checkpoints and ``last``
         stay)."""
-        failure: Optional[str] = None
+        failure: Optional[tuple[str, str]] = None  # (cause, fix), told by the process that failed
         try:
             yield
         except Exception as err:
-            failure = ckpt.failure_of(err)
+            failure = ckpt.failure_of(err, destination)
         failures: list = [None] * self.world_size
         dist.all_gather_object(failures, failure)
-        failed = [(rank, reason) for rank, reason in enumerate(failures) if reason is not None]
+        failed = [(rank, told) for rank, told in enumerate(failures) if told is not None]
         if not failed:
             return
         if self.is_global_zero:
             shutil.rmtree(temp, ignore_errors=True)
-        rank, reason = failed[0]
+        rank, (reason, fix) = failed[0]
         where = f" on process {rank}" if self.world_size > 1 else ""
-        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason, where))
+        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason, fix, where))
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
