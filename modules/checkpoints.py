@@ -120,10 +120,11 @@ def _refused_object(err: pickle.UnpicklingError) -> str:
     return f"`{found.group(1)}`" if found else "an object torch's weights-only unpickler does not build"
 
 
-def load_state(file: str) -> dict[str, Any]:
-    """``torch.load`` of one state file (``lightning.pt``), weights only, no type beyond torch's own."""
+def load_state(file: str, deepspeed: bool = False) -> dict[str, Any]:
+    """``torch.load`` of one state file, weights only: ``lightning.pt`` needs no type beyond torch's own (``deepspeed``:
+    a ZeRO shard file, with DeepSpeed's three)."""
     try:
-        with restricted_unpickling(file, deepspeed=False):
+        with restricted_unpickling(file, deepspeed=deepspeed):
             return torch.load(file, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
