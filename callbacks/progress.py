@@ -66,8 +66,7 @@ class ExpertSummary(ModelSummary):
             return super().on_fit_start(trainer, pl_module)
         rows = [("component", "class", "trainable", "frozen", "trains as")]
         totals = [0, 0]
-        for name, model in card.models.items():
-            module = model.module if type(model).__name__ == "DeepSpeedEngine" else model
+        for name, module in card.models.items():
             counts = [0, 0]
             for p in module.parameters():
                 counts[0 if p.requires_grad else 1] += getattr(p, "ds_numel", p.numel())

@@ -7,7 +7,7 @@ Batches carry ``latents`` (what finetune would encode from ``video``), ``prompt`
 encoders are not run on them. With the same ``batch_size`` and ``seed`` as the datamodule the rows were
 made from, batches hold the same samples in the same order, and training is bitwise the on-the-fly run at equal CPU threads
 (tests/test_precomputed.py). At start-up the method refuses rows made by other weights, at another video
-size or text length (``ExpertModule.check_precomputed``).
+size or text length (``callbacks.precomputed.PrecomputedRows``).
 """
 from __future__ import annotations
 

@@ -114,6 +114,9 @@ class ModelCard(nn.Module):
         self.tokenizers: dict[str, Any] = {}
         self.roles: dict[str, tuple[str, str]] = {}  # role component name -> (source expert, role)
         self.versions: dict[str, int] = {name: 0 for name in specs}
+        # expert -> what runs its forward instead of the model itself (``route``); a plain dict, so the
+        # runners are not submodules of the card (its state dict holds the models alone)
+        self._runners: dict[str, Callable[..., Any]] = {}
         self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
 
     def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
@@ -235,11 +238,20 @@ class ModelCard(nn.Module):
 
     # ------------------------------------------------------------------ access
     def __getitem__(self, name: str) -> nn.Module:
-        if name in self.models:
-            return self.models[name]
-        if name in self.roles:  # LoRA reference: the source module, use `card.use(name)` to run it
-            return self.models[self.roles[name][0]]
-        raise KeyError(f"no component {name!r} on the card; components: {sorted(self.models)}")
+        """The module that runs component ``name``: its model (``card.models[name]``, always the model itself),
+        or, for an expert a strategy routed (``route``), the model whose forward runs through that runner. A
+        LoRA reference is its source (use ``card.use(name)`` to run it with the adapter off)."""
+        source = self.roles[name][0] if name in self.roles and name not in self.models else name
+        if source not in self.models:
+            raise KeyError(f"no component {name!r} on the card; components: {sorted(self.models)}")
+        model = self.models[source]
+        runner = self._runners.get(source)
+        return model if runner is None else Routed(model, runner)
+
+    def route(self, name: str, runner: Callable[..., Any]) -> None:
+        """Run expert ``name``'s forward through ``runner`` from now on (a DeepSpeed engine: its forward registers
+        the backward hooks its ZeRO optimizer needs). ``card.models[name]`` stays the model."""
+        self._runners[name] = runner
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[nn.Module]:
@@ -248,7 +260,7 @@ class ModelCard(nn.Module):
             model = self.models[self.roles[name][0]]
             model.disable_adapters()
             try:
-                yield model
+                yield self[name]
             finally:
                 model.enable_adapters()
         else:
@@ -312,6 +324,30 @@ class ModelCard(nn.Module):
         """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
         ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
         return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+
+class Routed:
+    """A model whose forward runs through a runner (``ModelCard.route``); everything else — config, parameters,
+    methods such as ``generate`` or ``new_cache``, ``isinstance`` — is the model's. The one place a DeepSpeed
+    engine stands in for its model: every caller of ``card[name]`` runs the engine and reads the model."""
+
+    __slots__ = ("model", "runner")
+
+    def __init__(self, model: nn.Module, runner: Callable[..., Any]):
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "runner", runner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Routed.__slots__:  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @property  # isinstance(card[name], WanTransformer3DModel) holds for a routed expert too
+    def __class__(self):
+        return type(self.model)
 
 
 @torch.no_grad()

@@ -193,6 +193,10 @@ def main(args: Optional[list[str]] = None) -> None:
     debug = bool(os.environ.get("POSTTRAIN_DEBUG"))
     quiet_dependencies()
     command = argv[0] if argv and not argv[0].startswith("-") else "posttrain"
+    if command in ("export", "estimate"):
+        # their DeepSpeed code is CPU-side (ZeRO shards gathered into full weights, memory formulas): say so, instead
+        # of DeepSpeed probing for an accelerator when imported and warning that it fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         if command == "export":
             print(export_tool.export(**export_parser().parse_args(argv[1:]).as_dict()))

@@ -84,6 +84,12 @@ class PosttrainCLI(LightningCLI):
                                  "its tiny preset (the pretrained world's weights where an asset is shipped, no "
                                  "recipe weights read), one CPU process, the default video size")
 
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI reads a single-file ``ckpt_path`` itself, unverified, for hyper-parameters saved in it. A
+        posttrain method saves none (the config is the YAML), so the checkpoint is read once, by the strategy
+        through the one verified loader (``posttrain.modules.checkpoints.load``), which names a refused file in
+        its own words."""
+
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")  # None when built with run=False
         config = self.config[subcommand] if subcommand else self.config

@@ -33,7 +33,7 @@ import torch
 from posttrain.modules import vae as vae_codec
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.generators.base import GeneratorAdapter, VideoSize, _unwrap
+from posttrain.modules.generators.base import GeneratorAdapter, VideoSize
 from posttrain.modules.generators.flux import Flux, clip_pooled_embeds, t5_embeds
 from posttrain.modules.generators.wan import WanI2V, WanT2V, umt5_embeds, wan21_image_processor, wan_text_states, wan_tokens
 from posttrain.modules.samplers import FlowMatchSampler, Schedule, Trajectory, VelocityFn
@@ -195,7 +195,7 @@ class GeneratorStage:
         cache = self.adapter.new_cache(self.card[name])
         if cache is None:
             raise ValueError(f"sampler.chunk_frames samples chunk by chunk with a KV cache, but {name!r} "
-                             f"({type(_unwrap(self.card[name])).__name__}) is not block-causal: give it "
+                             f"({self.card[name].__class__.__name__}) is not block-causal: give it "
                              f"`arch: wan_t2v_causal`, or set sampler.chunk_frames: null")
         return cache
 

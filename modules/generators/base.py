@@ -27,13 +27,8 @@ class VideoSize:
     width: int = 32
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DeepSpeed engine (``lit.engine.strategy`` puts engines on the card)."""
-    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
-
-
 def _config(model: torch.nn.Module):
-    return _unwrap(model).config
+    return model.config
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype:
@@ -67,7 +62,7 @@ class GeneratorAdapter:
 
     def new_cache(self, transformer: torch.nn.Module):
         """An empty KV cache of a block-causal ``transformer`` (chunked sampling); None if it has none."""
-        new_cache = getattr(_unwrap(transformer), "new_cache", None)
+        new_cache = getattr(transformer, "new_cache", None)
         return new_cache() if callable(new_cache) else None
 
     def latent_shape(self, transformer: torch.nn.Module, vae: torch.nn.Module, size: VideoSize) -> tuple[int, ...]:
