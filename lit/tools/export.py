@@ -143,7 +143,10 @@ class _Parts:
         return sources.get(self._of(name)) or {"arch": self.arch(name), "tokenizer": None, "lora": None}
 
     def lora(self, name: str) -> Optional[dict]:
-        return self.source(name).get("lora") if name == self._of(name) else None
+        """The LoRA adapter component ``name`` carries: a LoRA expert's and its role copies' (an EMA, an ``old``
+        copy: each carries its own adapter weights); a LoRA reference is the expert with its adapter off."""
+        role = self.meta["signature"].get(name, {}).get("role")
+        return None if role == "reference" else self.source(name).get("lora")
 
     def model(self, name: str) -> torch.nn.Module:
         prefix = f"card.models.{name}."
