@@ -50,7 +50,7 @@ class SelfForcing(DMD2):
         problems = ["sampler.chunk_frames is not set: self_forcing rolls out chunk by chunk; set it to the latent "
                     "frames per chunk (anchor 3; it must divide the video's latent frames)"]
         student = card.specs.get("transformer")
-        if student is not None and not hasattr(presets.model_class(student.arch), "new_cache"):
+        if student is not None and not presets.causal(student.arch):
             problems.append(f"`transformer` has arch {student.arch!r}; the self_forcing student is block-causal: "
                             f"set `arch: wan_t2v_causal` (wan_t2v's weights, `init_from: teacher`)")
         return problems
