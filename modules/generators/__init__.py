@@ -59,6 +59,10 @@ def _families() -> dict[str, Architecture]:
         for name, arch in getattr(module, "ARCHITECTURES", {}).items():
             if name in found:
                 raise ValueError(f"arch {name!r} is declared twice in modules/generators/ (again in {info.name}.py)")
+            adapter = arch.adapter
+            if adapter is not None and len(adapter.text_encoder_archs) != len(adapter.text_encoders):
+                raise ValueError(f"{info.name}.py: {type(adapter).__name__}.text_encoder_archs must name the arch of "
+                                 f"each of its text_encoders {adapter.text_encoders}")
             found[name] = arch
     return found
 

@@ -113,10 +113,10 @@ class GeneratorAdapter:
 
     #: text-encoder experts the architecture reads, in the pipeline's order (``text_encoder``, ``text_encoder_2``)
     text_encoders: tuple[str, ...] = ("text_encoder",)
-    #: the ``arch`` of each of them (what a card must give, and what a start-up message suggests)
-    text_encoder_archs: tuple[str, ...] = ("umt5",)
+    #: the ``arch`` of each of them (what a card must give, and what a start-up message suggests); every family sets it
+    text_encoder_archs: tuple[str, ...] = ()
     #: the text encoders in words, for a message about them
-    reads: str = "a UMT5 text encoder"
+    reads: str = "its text encoders"
     #: whether the conditioning holds an image (the first frame of the video to generate)
     takes_image: bool = False
 

@@ -48,6 +48,9 @@ class WanT2V(GeneratorAdapter):
     chunk size of the call is the input's frame count.
     """
 
+    text_encoder_archs = ("umt5",)
+    reads = "a UMT5 text encoder"
+
     def pipeline_class(self):
         from diffusers import WanPipeline
 
