@@ -47,10 +47,12 @@ _SHARED: dict[str, Architecture] = {
         base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
         scale_factor_spatial=4, scale_factor_temporal=4,
     ), "vae", asset=True),
+    # Wan's text encoder; the shipped asset was trained jointly with the world's Wan generator (scripts/train_world.py)
     "umt5": Architecture(UMT5EncoderModel, dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         dropout_rate=0.0, relative_attention_num_buckets=8,
     ), "text_encoder", asset=True),
+    # FLUX's (and SD3's) token encoder; the shipped asset was trained jointly with CLIP and FLUX (scripts/train_flux.py)
     "t5": Architecture(T5EncoderModel, dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         dropout_rate=0.0, relative_attention_num_buckets=8,
