@@ -1,5 +1,6 @@
 """LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists, rows
-precomputed by ``posttrain preprocess``."""
+precomputed by ``posttrain preprocess``. Every item follows one batch schema (``prompt``, ``index``, the group key
+``group``, and the media), documented in ``posttrain.modules.batch``."""
 from posttrain.datamodules.folder import VideoFolder
 from posttrain.datamodules.precomputed import PrecomputedVideos
 from posttrain.datamodules.prompts import Prompts

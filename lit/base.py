@@ -37,6 +37,7 @@ from posttrain.callbacks.iterations import IterationCounter
 from posttrain.callbacks.versions import WeightVersions
 from posttrain.modules.versions import SyncPlan
 from posttrain.lit.engine.checkpoint_io import install_checkpoint_io
+from posttrain.modules import batch as batch_schema
 from posttrain.modules import presets
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.generators import GeneratorStage, VideoSize
@@ -69,7 +70,8 @@ class RunArgs:
         seed: seed of the method's own noise generator (offset by the process rank).
         max_nan_steps: stop after this many iterations in a row whose loss was not finite.
         embedded_guidance: the guidance value a guidance-distilled generator embeds (FLUX-dev;
-            FluxPipeline's ``guidance_scale``); generators without a guidance embedding ignore it.
+            FluxPipeline's ``guidance_scale``); None = the generator adapter's default; generators without a
+            guidance embedding ignore it.
     """
 
     frames: int = 9
@@ -77,7 +79,7 @@ class RunArgs:
     width: int = 32
     seed: int = 0
     max_nan_steps: int = 3
-    embedded_guidance: float = 3.5
+    embedded_guidance: Optional[float] = None
 
     @property
     def video(self) -> VideoSize:
@@ -408,12 +410,14 @@ class ExpertModule(LightningModule):
     @property
     def serving_transformer(self) -> str:
         """The generator that serves samples: its EMA copy when the method keeps one."""
-        return "transformer_ema" if "transformer_ema" in self.card.models else "transformer"
+        generator = self.stage.transformer
+        return next((name for name, (of, role) in self.card.roles.items() if of == generator and role == "ema"),
+                    generator)
 
-    def conditioning(self, prompts: list[str], guidance_scale: float, images: Optional[torch.Tensor] = None):
-        """``prompts``' conditioning and, when CFG is on, the empty prompt's (cached like any prompt); an
-        image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos."""
-        return self.stage.conditioning(prompts, guidance_scale, self.device, images=images, size=self.video)
+    def conditioning(self, prompts: list[str], sampler: FlowMatchSampler, images: Optional[torch.Tensor] = None):
+        """``prompts``' conditioning and, when ``sampler`` guides (CFG), the empty prompt's (cached like any
+        prompt); an image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos."""
+        return self.stage.conditioning(prompts, sampler.guidance_scale, self.device, images=images, size=self.video)
 
     def batch_images(self, batch: dict) -> Optional[torch.Tensor]:
         """The conditioning images of a batch for an image-to-video generator: its ``image`` (B, 3, H, W),
@@ -433,16 +437,15 @@ class ExpertModule(LightningModule):
                  images: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, C, F, H, W) videos in [-1, 1] for ``prompts`` (and, image-to-video, their first frames
         ``images``): the sampler's loop over the serving transformer (chunk by chunk for a block-causal one),
-        then VAE decoding. The noise is ``torch.randn`` of one CPU generator seeded with ``seed``, in the
+        then VAE decoding. The noise is ``torch.randn`` of one CPU rng seeded with ``seed``, in the
         latent shape (C, F', h, w) the diffusers pipeline draws, so ``WanPipeline(latents=that noise)``
         reproduces it (``FluxPipeline`` takes it packed, ``Flux.pack(noise)``)."""
         shape = self.stage.latent_shape(self.video)
-        generator = torch.Generator().manual_seed(seed)
-        noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)
-        cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale, images)
-        # the same generator draws any later noise (a few-step student's re-noise steps)
-        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer,
-                                 generator=generator)
+        rng = torch.Generator().manual_seed(seed)
+        noise = torch.randn((len(prompts), *shape), generator=rng).to(self.device)
+        cond, uncond = self.conditioning(prompts, self.sampler, images)
+        # the same rng draws any later noise (a few-step student's re-noise steps)
+        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer, rng=rng)
         return traj.latents if latents_only else self.stage.decode(traj.latents)
 
     def serving_settings(self) -> dict[str, Any]:
@@ -451,11 +454,9 @@ class ExpertModule(LightningModule):
         return stage_serving_settings(self.stage, self.sampler, self.video, self.serving_transformer)
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
-        seeds = batch.get("seed")
-        seed = int(seeds[0]) if seeds is not None else batch_idx
         prompts = list(batch["prompt"])
-        return {"prompts": prompts,
-                "videos": self.generate(prompts, seed=seed, images=self.batch_images(batch)).cpu()}
+        return {"prompts": prompts, "videos": self.generate(prompts, seed=batch_schema.seed(batch, batch_idx),
+                                                            images=self.batch_images(batch)).cpu()}
 
     # ------------------------------------------------------------------ only training draws from the global RNGs
     # Between two training batches Lightning may run a validation, or, in a resumed run, fast-forward over the one

@@ -103,6 +103,33 @@ def term_of(out: RewardOutput, expert: str) -> torch.Tensor:
     return out.terms[matches[0]]
 
 
+def credited_term(out: RewardOutput, name: str, method: str) -> torch.Tensor:
+    """``term_of`` for a method's credit by reward term: a missing term is a ``ValueError`` naming ``method``."""
+    try:
+        return term_of(out, name)
+    except KeyError as err:
+        raise ValueError(f"{method} credit by reward term: {err.args[0]}") from err
+
+
+def term_problems(reward: Any, needed: list[tuple[str, str, str]], media: torch.Tensor, prompts: list[str],
+                  context: Optional[dict[str, Any]] = None) -> list[str]:
+    """Start-up check of credit read from reward terms: score one dry run of ``media`` (shaped as the method's
+    will be) and name each ``(term, option, fix)`` of ``needed`` whose term the reward does not return."""
+    try:
+        out = score(reward, media, prompts, context)
+    except Exception as err:  # noqa: BLE001 - reported as a config problem, with the reward's own message
+        options = ", ".join(dict.fromkeys(option for _, option, _ in needed))
+        return [f"{options}: the reward failed on a dry run ({type(err).__name__}: {err})"]
+    problems = []
+    for term, option, fix in needed:
+        try:
+            term_of(out, term)
+        except KeyError:
+            problems.append(f"{option} needs a reward term for {term!r}, but the reward's terms are "
+                            f"{sorted(out.terms)}: {fix}")
+    return problems
+
+
 def prompts_for_scoring(prompts: list[str], context: Optional[dict[str, Any]]) -> list[str]:
     """What a media reward compares against: the user's original prompt when a method refined it."""
     if context and context.get("original_prompts") is not None:

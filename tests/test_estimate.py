@@ -133,11 +133,15 @@ def test_activation_rows_follow_the_rl_batching():
 
     from posttrain.lit.tools.estimate import activation_rows
 
+    from posttrain.modules.grpo import GRPOArgs
+    from posttrain.modules.samplers import FlowMatchSampler
+
     assert activation_rows(SimpleNamespace(), 4)[0] == 4
-    rl = dict(num_samples_per_prompt=8, num_minibatches=1, guidance_scale=1.0)
+    rl = dict(grpo=GRPOArgs(num_samples_per_prompt=8), rollout_sampler=FlowMatchSampler())
     assert activation_rows(SimpleNamespace(**rl), 1)[0] == 8
-    assert activation_rows(SimpleNamespace(**rl, micro_batch_size=2), 1)[0] == 2
-    rows, text = activation_rows(SimpleNamespace(**{**rl, "guidance_scale": 4.5}, micro_batch_size=2), 1)
+    rl["grpo"].micro_batch_size = 2
+    assert activation_rows(SimpleNamespace(**rl), 1)[0] == 2
+    rows, text = activation_rows(SimpleNamespace(**{**rl, "rollout_sampler": FlowMatchSampler(guidance_scale=4.5)}), 1)
     assert rows == 4 and "micro-batches of 2" in text and "CFG" in text
 
 

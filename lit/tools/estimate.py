@@ -193,6 +193,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             components.append(ComponentMemory(name, card.specs[of].arch, f"{of} with adapter off", 0, 0,
                                               notes=["no memory of its own (LoRA reference)"]))
 
+    components += reward_memory(getattr(method, "reward", None))
+
     # 3. activations of the trainable experts' training forward
     if activations:
         for c in components:
@@ -209,6 +211,19 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
     if autocast is not None:
         rows_note += f", {autocast} autocast"
     return MemoryEstimate(config, devices, num_nodes, components, rows_note)
+
+
+def reward_memory(reward: Any) -> list[ComponentMemory]:
+    """One row per model a local reward holds (PickScore, HPSv2.1, the aesthetic predictor, CLIPScore): frozen
+    weights in their dtype, no gradients, no optimizer state; a ``RemoteReward`` holds none here."""
+    from posttrain.modules.preference import reward_models
+
+    rows = []
+    for name, model in reward_models(reward).items():
+        params = list(model.parameters())
+        rows.append(ComponentMemory(name, type(model).__name__, "frozen reward", _numel(params), 0,
+                                    param_bytes=sum({id(p): p.numel() * p.element_size() for p in params}.values())))
+    return rows
 
 
 def lightning_precision(precision: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
@@ -370,14 +385,19 @@ def deepspeed_estimate(spec: Expert, model: nn.Module, world: int, devices: Opti
 # ---------------------------------------------------------------------- activations
 def activation_rows(method, data_batch: int, micro: bool = True) -> tuple[int, str]:
     """Rows of one training forward of the generator, and how they were counted (``micro``: at most the
-    method's ``micro_batch_size``, which only the generator's forward follows)."""
-    K = getattr(method, "num_samples_per_prompt", None)
-    if K is None:
+    method's ``grpo.micro_batch_size``, which only the generator's forward follows)."""
+    grpo = getattr(method, "grpo", None)
+    if grpo is None:
         return data_batch, f"{data_batch} rows (data batch) per training forward"
-    minibatches = getattr(method, "num_minibatches", 1)
+    K, minibatches = grpo.num_samples_per_prompt, grpo.num_minibatches
     rows = math.ceil(data_batch * K / minibatches)
-    micro = getattr(method, "micro_batch_size", None) if micro else None
-    cfg = getattr(method, "guidance_scale", 1.0) not in (None, 1.0)
+    micro = grpo.micro_batch_size if micro else None
+    # a PPO update recomputes each trained step through the rollout sampler, CFG included; DiffusionNFT's update is
+    # a plain forward of the policy
+    from posttrain.lit.diffusion_nft import DiffusionNFT
+
+    sampler = getattr(method, "rollout_sampler", None)
+    cfg = sampler is not None and sampler.guidance_scale != 1.0 and not isinstance(method, DiffusionNFT)
     text = f"{data_batch} prompts x K={K}" + (f" / {minibatches} minibatches" if minibatches > 1 else "")
     if micro is not None and micro < rows:
         rows, text = micro, text + f", in micro-batches of {micro}"

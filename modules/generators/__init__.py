@@ -84,7 +84,8 @@ class GeneratorStage:
         image_encoder: a Wan 2.1 I2V transformer's CLIP vision expert; None = ``image_encoder`` when the
             card has one.
         embedded_guidance: the guidance value a guidance-distilled FLUX embeds (FluxPipeline's
-            ``guidance_scale``); ignored by weights without ``guidance_embeds``.
+            ``guidance_scale``); None = the adapter's default (``Flux.embedded_guidance``); ignored by weights
+            without ``guidance_embeds``.
     """
 
     card: ModelCard
@@ -92,7 +93,7 @@ class GeneratorStage:
     vae: str = "vae"
     text_encoders: Optional[tuple[str, ...]] = None
     image_encoder: Optional[str] = None
-    embedded_guidance: float = 3.5
+    embedded_guidance: Optional[float] = None
 
     def __post_init__(self):
         if self.image_encoder is None and self.card.has(self._prefix + "image_encoder"):
@@ -230,7 +231,7 @@ class GeneratorStage:
                uncond: Optional[Conditioning] = None, name: Optional[str] = None,
                exit_step: Optional[int] = None, **kwargs) -> Trajectory:
         """Denoise ``noise`` with component ``name`` through the one sampler (``kwargs``: ``sde``,
-        ``capture``, ``generator``, ``guidance_scale``). Without grad, except with ``exit_step=k``: the
+        ``capture``, ``rng``; the CFG scale is the sampler's). Without grad, except with ``exit_step=k``: the
         returned x̂0 of step k then carries the caller's grad (steps before it never do). With
         ``sampler.chunk_frames`` the model is block-causal and samples chunk by chunk through a fresh KV cache."""
         schedule = self.schedule(sampler, tuple(noise.shape[1:]), noise.device)

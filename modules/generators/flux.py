@@ -49,6 +49,8 @@ class Flux(GeneratorAdapter):
     text_encoders = ("text_encoder", "text_encoder_2")
     text_encoder_archs = ("clip", "t5")
     reads = "a CLIP text encoder (pooled) then a T5 encoder"
+    # what guidance-distilled weights embed unless the stage says otherwise: FluxPipeline's default guidance_scale
+    embedded_guidance = 3.5
 
     def pipeline_class(self):
         # imported on use: the FLUX pipeline module imports transformers' image processors
@@ -68,7 +70,8 @@ class Flux(GeneratorAdapter):
     def extra(self, stage, batch_size):
         if not _config(stage.card[stage.transformer]).guidance_embeds:
             return {}
-        return {"guidance": torch.full((batch_size,), float(stage.embedded_guidance))}
+        value = self.embedded_guidance if stage.embedded_guidance is None else stage.embedded_guidance
+        return {"guidance": torch.full((batch_size,), float(value))}
 
     @staticmethod
     def pack(x: torch.Tensor) -> torch.Tensor:
@@ -100,10 +103,10 @@ class Flux(GeneratorAdapter):
     def pipeline_call(self, serving):
         # FluxPipeline's `guidance_scale` is the embedded guidance; classifier-free guidance is `true_cfg_scale`
         # with a negative prompt (the empty prompt, as here)
-        cfg = serving["guidance_scale"]
+        cfg, embedded = serving["guidance_scale"], serving.get("embedded_guidance")
         call = {"num_inference_steps": serving["num_inference_steps"], "max_sequence_length": serving["max_sequence_length"],
                 "height": serving["height"], "width": serving["width"],
-                "guidance_scale": serving.get("embedded_guidance", 3.5)}
+                "guidance_scale": self.embedded_guidance if embedded is None else embedded}
         return call | ({"true_cfg_scale": cfg, "negative_prompt": ""} if cfg != 1.0 else {})
 
     def latent_shape(self, transformer, vae, size):
