@@ -263,8 +263,8 @@ class VideoFolder(ResumableDataModule):
             problems.append("give `val_fraction` or `val_files`, not both")
         if vae is not None and latents_cache is None:
             problems.append("`vae` only fills a `latents_cache`; set `latents_cache: <folder>` or drop `vae`")
-        if vae is not None and vae.arch not in ("wan_vae", "vae_kl"):
-            problems.append(f"vae.arch={vae.arch!r} is not a VAE; use 'wan_vae' or 'vae_kl'")
+        if vae is not None and vae.arch not in presets.archs("vae"):
+            problems.append(f"vae.arch={vae.arch!r} is not a VAE; use {' or '.join(map(repr, presets.archs('vae')))}")
         if vae is not None and vae.pretrained is None:
             problems.append("`vae` without `pretrained` is a random preset, unlike the model's VAE and new each run; "
                             "give `vae.pretrained: <folder>`, or drop `vae` to encode with the model card's `vae`")

@@ -127,7 +127,7 @@ class ExpertModule(ExactResume, DeferredLogging):
                      for name in trains if name in self.card.specs and not self.card.specs[name].trainable]
         generator = self.card.specs.get(self.stage.transformer)
         if self.sampler.chunk_frames is not None and generator is not None \
-                and not hasattr(presets.model_class(generator.arch), "new_cache"):
+                and not presets.causal(generator.arch):
             problems.append(f"sampler.chunk_frames={self.sampler.chunk_frames} samples chunk by chunk with a KV "
                             f"cache, but `{self.stage.transformer}` has arch {generator.arch!r}, which is not "
                             f"block-causal: set `arch: wan_t2v_causal`, or sampler.chunk_frames: null")

@@ -195,15 +195,11 @@ class ModelCard(nn.Module):
                 copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})")
         for name, spec in self.specs.items():
             model = built[name]
-            if spec.arch in presets.TEXT_ENCODERS or spec.arch == "qwen2":
-                self.tokenizers[name] = presets.build_tokenizer(
-                    spec.tokenizer, presets.tokenizer_length(spec.arch, model.config))
-            if spec.lora is not None:
-                from peft import LoraConfig as PeftLoraConfig
-
-                model.requires_grad_(False)
-                model.add_adapter(PeftLoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha,
-                                                 target_modules=spec.lora.target_modules, init_lora_weights=True))
+            tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
+            if tokenizer is not None:
+                self.tokenizers[name] = tokenizer
+            if spec.lora is not None:  # after init_from: the copied weights are the adapter's base
+                presets.add_lora(model, spec.lora)
             if spec.gradient_checkpointing and hasattr(model, "enable_gradient_checkpointing"):
                 model.enable_gradient_checkpointing()
             elif spec.gradient_checkpointing:
@@ -301,7 +297,7 @@ class ModelCard(nn.Module):
         in checkpoints; so do roles (EMA, old, reference), which move or copy a trained expert."""
         names = []
         for name, spec in self.specs.items():
-            from_file = spec.pretrained is not None or (spec.arch in presets.TRAINED_ASSETS and not spec.preset)
+            from_file = presets.loads_weights(spec.arch, spec.pretrained, spec.preset)
             if not spec.trainable and from_file and spec.init_from is None and name in self.models:
                 names.append(name)
         return names

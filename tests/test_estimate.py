@@ -89,13 +89,13 @@ def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated:
     """The bytes a real 2-row training forward of ``arch`` (``preset``, config ``path``'s card and size) saves for
     backward, outside the parameters, are ``estimated`` within 5%."""
     from posttrain.lit.tools.config import instantiate_part, parse
-    from posttrain.lit.tools.estimate import _input_shapes
+    from posttrain.lit.tools.estimate import input_shapes
 
     method = instantiate_part(parse(path), "model", path, "estimate")
-    for name in ("vae", "transformer"):
-        method.card.models[name] = meta_model(method.card.specs[name])
+    for name, spec in method.card.specs.items():  # the meta card estimate builds
+        method.card.models[name] = meta_model(spec)
     model = presets.build_model(arch, preset=preset).train()
-    inputs = _inputs(_input_shapes(arch, dict(model.config), method.card, method, rows=2), torch.float32)
+    inputs = _inputs(input_shapes(arch, dict(model.config), method.card, method, rows=2), torch.float32)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
