@@ -48,8 +48,8 @@ def samples(module, prompts: list[str], sampler, name: str, batch: int) -> tuple
         chunk = prompts[i:i + batch]
         g = torch.Generator().manual_seed(i // batch)
         noise = torch.randn((len(chunk), *module.stage.latent_shape(module.video)), generator=g)
-        cond, uncond = module.conditioning(chunk, sampler.guidance_scale)
-        latents.append(module.stage.sample(sampler, noise, cond, uncond, name=name, generator=g).latents)
+        cond, uncond = module.conditioning(chunk, sampler)
+        latents.append(module.stage.sample(sampler, noise, cond, uncond, name=name, rng=g).latents)
     latents = torch.cat(latents)
     return latents, module.stage.decode(latents)
 

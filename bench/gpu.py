@@ -43,7 +43,7 @@ from posttrain.modules.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
 from posttrain.modules.conditioning import Conditioning  # noqa: E402
 from posttrain.modules.generators import ADAPTERS, GeneratorStage, VideoSize  # noqa: E402
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
-from posttrain.modules.rollout import ppo_step_losses, rollout, train_steps  # noqa: E402
+from posttrain.modules.rollout import Rollout, train_steps  # noqa: E402
 from posttrain.modules.samplers import FlowMatchSampler  # noqa: E402
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B-Diffusers (transformer/config.json)
@@ -315,19 +315,19 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     def iteration():
         start = time.perf_counter()
         with autocast(device):
-            traj = rollout(stage, sampler, cond, shape, g)
+            rollout = Rollout.sample(stage, sampler, cond, None, shape, g)
         device.sync()
         parts["rollout"].append(time.perf_counter() - start)
         start = time.perf_counter()
         if decode:
             with torch.no_grad():
-                stage.decode(traj.latents)
+                stage.decode(rollout.latents)
         device.sync()
         parts["decode"].append(time.perf_counter() - start)
         start = time.perf_counter()
         advantages = torch.randn(K, generator=g).to(device.name)
         steps = train_steps(sampler, 0.5, g)
-        for loss in ppo_step_losses(stage, sampler, traj, steps, cond, advantages, clip_range=0.2, kl_beta=0.0):
+        for loss in rollout.step_losses(steps, advantages, clip_range=0.2, kl_beta=0.0):
             with autocast(device):
                 value = loss()
             value.backward()

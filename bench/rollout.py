@@ -1,7 +1,7 @@
 """Rollout benchmarks for the RL methods (CPU by default).
 
 1. A K-sample group rolled out as ONE batched forward per sampler step (what flow_grpo and joint_rl
-   do: ``modules.rollout.rollout`` on B·K rows) vs K sequential rollouts of one row each, same
+   do: ``modules.rollout.Rollout.sample`` on B·K rows) vs K sequential rollouts of one row each, same
    process, same weights, same SDE sampler. The two alternate in blocks (``timing.py``); prints the
    speed-up sequential/batched with its spread and a verdict (goal at K = 8: >= 6), and where the batched
    rollout's time goes: the transformer forward of K rows, and everything else per step (SDE step,
@@ -29,7 +29,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.generators import GeneratorStage, VideoSize
-from posttrain.modules.rollout import rollout
+from posttrain.modules.rollout import Rollout
 from posttrain.modules.samplers import FlowMatchSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,12 +66,12 @@ def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, ste
         seeds = iter(range(10**6))
 
         def batched():
-            rollout(stage, sampler, cond, shape, torch.Generator().manual_seed(next(seeds)))
+            Rollout.sample(stage, sampler, cond, None, shape, torch.Generator().manual_seed(next(seeds)))
 
         def sequential():
             g = torch.Generator().manual_seed(next(seeds))
             for k in range(K):
-                rollout(stage, sampler, cond.select(slice(k, k + 1)), shape, g)
+                Rollout.sample(stage, sampler, cond.select(slice(k, k + 1)), None, shape, g)
 
         result = interleave(batched, sequential, blocks=blocks, per_block=1, names=("batched", "sequential"))
         c = compare(result, goal=GOAL_K8 if K == 8 else None, higher_is_better=True, per="group",
@@ -129,7 +129,7 @@ def bench_cache(iterations: int) -> None:
     trainer.fit(model, data)
     elapsed = time.perf_counter() - t
     cache = model.card.cache
-    K, S = model.num_samples_per_prompt, model.num_skip_refinement
+    K, S = model.grpo.num_samples_per_prompt, model.num_skip_refinement
     print(f"[cache] configs/joint_rl.yaml, N={model.card.num_refiners} refiners, K={K} "
           f"(num_skip_refinement={S}), batch {data.batch_size} prompts, {iterations} iterations in {elapsed:.1f} s "
           f"({elapsed / iterations:.2f} s/iteration)")

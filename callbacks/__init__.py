@@ -1,4 +1,5 @@
-"""Callbacks: iterations, weight versions and sync plans, samples, parity (C2), evaluation, progress, writer."""
+"""Callbacks: iterations, weight versions and sync plans, precomputed rows, samples, parity (C2), evaluation,
+progress, writer."""
 from posttrain.callbacks.evaluation import Evaluate
 from posttrain.callbacks.parity import C2Check
 from posttrain.callbacks.samples import SampleVideos

@@ -192,7 +192,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().on_exception(trainer, pl_module, exception)
         interrupted = isinstance(exception, (KeyboardInterrupt, SIGTERMException))  # stopped, not failed
         if trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero and not interrupted and self._wrote:
-            ckpt.note_failure(self._checkpoint_dir(trainer), exception, trainer.global_step)
+            try:
+                ckpt.note_failure(self._checkpoint_dir(trainer), exception, trainer.global_step)
+            except OSError as err:  # a full disk: the run's own error is the one to report
+                rank_zero_warn(f"could not record in {self._checkpoint_dir(trainer)!r} that this run failed ({err})")
 
 
 def validation_follows(trainer) -> bool:

@@ -1,9 +1,10 @@
 """Parity checks between rollout and training: the C2 identity.
 
 A method that rolls out with captured log-probs and recomputes them for its update (flow_grpo,
-joint_rl) calls ``report_rollout(self, probe)`` after each rollout and before the batch's first update.
-``probe()`` recomputes the rollout's per-step log p under the current — still unchanged — weights and
-returns max |recomputed − stored|. Callbacks implementing ``on_rollout_captured(trainer, pl_module,
+joint_rl, workflow_rl) calls ``report_rollout(self, probe)`` after each rollout and before the batch's first
+update. ``probe()`` recomputes the rollout's per-step log p under the current — still unchanged — weights and
+returns max |recomputed − stored| (``modules.rollout.Rollout.c2_gap`` for a generator, and
+``modules.refiners.refiner_c2_gap`` for a refiner's tokens). Callbacks implementing ``on_rollout_captured(trainer, pl_module,
 probe)`` receive it; they depend on this hook, never on a method class.
 """
 from __future__ import annotations
@@ -68,8 +69,8 @@ class C2Check(Callback):
             return
         message = (f"C2 identity violated at iteration {trainer.global_step}: max |recomputed - stored log p| = "
                    f"{gap:.3g} > tolerance {self.tolerance:g}. Rollout and recompute differ at the same weights: "
-                   f"check that both use the same guidance scale, noise level, σ schedule, conditioning and "
-                   f"eval-mode (no dropout) model, and that no update ran before the check.")
+                   f"check that both use the same sampler (guidance scale, noise level, σ schedule), conditioning "
+                   f"and eval-mode (no dropout) model, and that no update ran before the check.")
         if self.on_violation == "raise":
             raise C2ViolationError(message)
         rank_zero_warn(message)
@@ -78,5 +79,5 @@ class C2Check(Callback):
         if not self.reported:
             raise RuntimeError(f"C2Check: {type(pl_module).__name__} reported no rollout in iteration "
                                f"{trainer.global_step}; the check applies to methods that roll out with captured "
-                               f"log-probs and call callbacks.parity.report_rollout (flow_grpo, joint_rl). "
+                               f"log-probs and call callbacks.parity.report_rollout (flow_grpo, joint_rl, workflow_rl). "
                                f"Remove C2Check from this config.")

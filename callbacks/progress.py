@@ -15,7 +15,7 @@ log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 
 class IterationProgressBar(TQDMProgressBar):
     """One bar for the whole run: iteration / ``max_steps`` (resumed runs start where they stopped), with
-    the loss, the reward and each trainable expert's learning rate."""
+    each expert's loss (``train/loss/<expert>``), the reward and each trainable expert's learning rate."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -49,7 +49,7 @@ class IterationProgressBar(TQDMProgressBar):
         shown = {}
         for key, value in trainer.callback_metrics.items():
             name = key.removeprefix("train/")
-            if key in ("train/loss", "train/reward", "val/loss", "val/reward") or key.startswith("val/geneval"):
+            if key in ("train/reward", "val/loss", "val/reward") or key.startswith(("train/loss/", "val/geneval")):
                 shown[name] = f"{float(value):.4g}"
             elif key.startswith("train/lr/"):
                 shown[name] = f"{float(value):.2e}"
@@ -66,8 +66,7 @@ class ExpertSummary(ModelSummary):
             return super().on_fit_start(trainer, pl_module)
         rows = [("component", "class", "trainable", "frozen", "trains as")]
         totals = [0, 0]
-        for name, model in card.models.items():
-            module = model.module if type(model).__name__ == "DeepSpeedEngine" else model
+        for name, module in card.models.items():
             counts = [0, 0]
             for p in module.parameters():
                 counts[0 if p.requires_grad else 1] += getattr(p, "ds_numel", p.numel())

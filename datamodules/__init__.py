@@ -1,8 +1,11 @@
-"""LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists, rows
-precomputed by ``posttrain preprocess``."""
+"""LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists, user
+requests of the synthetic world with their facts, rows precomputed by ``posttrain preprocess``. Every item follows
+one batch schema (``prompt``, ``index``, the group key ``group``, and the media), documented in
+``posttrain.modules.batch``."""
 from posttrain.datamodules.folder import VideoFolder
 from posttrain.datamodules.precomputed import PrecomputedVideos
 from posttrain.datamodules.prompts import Prompts
+from posttrain.datamodules.requests import Requests
 from posttrain.datamodules.synthetic import SyntheticVideos
 
-__all__ = ["SyntheticVideos", "VideoFolder", "Prompts", "PrecomputedVideos"]
+__all__ = ["SyntheticVideos", "VideoFolder", "Prompts", "Requests", "PrecomputedVideos"]

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules import batch as batch_schema
 from posttrain.modules import presets
 from posttrain.modules import vae as vae_codec
 from posttrain.modules.cache import file_hash
@@ -40,6 +41,8 @@ from posttrain.modules.cards import Expert, freeze
 VIDEO_EXTS = (".mp4", ".mov", ".webm", ".mkv", ".gif")
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")
 METADATA = "metadata.jsonl"
+METADATA_LINE = ('each line is one JSON object, keys and strings in double quotes, the path relative to the folder: '
+                 '{"file": "clips/a.mp4", "caption": "a red circle moving left"}')
 CACHE_FORMAT = 1  # bump when the stored latents change meaning
 
 
@@ -92,11 +95,12 @@ def _read_metadata(root: str, metadata: str) -> list[tuple[str, str]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{metadata}:{lineno}: not valid JSON ({err.msg}): {line[:80]!r}") from err
+                raise ValueError(f"{metadata}:{lineno}: not valid JSON ({err.msg}, column {err.colno}): {line[:80]!r}; "
+                                 f"{METADATA_LINE}") from err
             if not isinstance(record, dict) or not isinstance(record.get("file"), str) \
                     or not isinstance(record.get("caption"), str):
                 raise ValueError(f"{metadata}:{lineno}: expected an object with string \"file\" and \"caption\", "
-                                 f"got {line[:80]!r}")
+                                 f"got {line[:80]!r}; {METADATA_LINE}")
             if not record["caption"].strip():
                 raise ValueError(f"{metadata}:{lineno}: empty caption for {record['file']!r}")
             path = os.path.join(root, record["file"])
@@ -122,14 +126,33 @@ def read_frames(path: str, frames: int, frame_stride: int = 1, repeat_images: bo
                          f"set `frames: 1`, or `repeat_images: true` for a still clip")
     try:
         source = _decode(path, 1 if is_image else needed)
-    except Exception as err:  # decoders raise OSError, RuntimeError, ValueError…: name the file
-        raise ValueError(f"{path}: cannot read this media file ({type(err).__name__}: {err})") from err
+    except Exception as err:  # decoders raise OSError, RuntimeError, ValueError…: name the file and the fix
+        fix = (IMAGE_FIX if is_image else VIDEO_FIX).format(name=os.path.basename(path))
+        raise ValueError(f"{path}: cannot read this media file ({_decoder_problem(path, err)}); {fix}") from err
     if is_image:
         return np.repeat(source[:1], frames, axis=0)
     if len(source) < needed:
         raise ValueError(f"{path}: has {len(source)} frames; frames={frames} with frame_stride={frame_stride} "
                          f"needs {needed}")
     return np.stack(source[::frame_stride])
+
+
+VIDEO_FIX = ("replace it with a readable copy (download it again, or re-encode its source: `ffmpeg -i SOURCE -c:v "
+             "libx264 -pix_fmt yuv420p {name}`), or remove it (and its caption or metadata line) from the folder")
+IMAGE_FIX = ("replace it with a readable PNG or JPEG (save it again from its source), or remove it (and its caption or "
+             "metadata line) from the folder")
+
+
+def _decoder_problem(path: str, err: Exception) -> str:
+    """What the decoder said, in one line: ffmpeg's error is its first line and the last line of the stderr it
+    appends (its banner and build configuration dropped)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        return "it is empty: 0 bytes"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    said = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    if len(lines) > 1 and "=== stderr ===" in lines:
+        said += f"; ffmpeg: {lines[-1]}"
+    return said
 
 
 def _decode(path: str, limit: int) -> list[np.ndarray]:
@@ -179,7 +202,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 class FolderDataset(Dataset):
-    """Items of a folder as ``{"video" | "latents", "prompt", "index"}``."""
+    """Items of a folder in the batch schema (``modules/batch.py``), with ``video`` or ``latents``."""
 
     def __init__(self, items: list[tuple[str, str]], frames: int, height: int, width: int, frame_stride: int,
                  repeat_images: bool, latents: Optional[list[str]] = None):
@@ -197,8 +220,8 @@ class FolderDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         prompt = self.items[index][1]
         if self.latents is not None:
-            return {"latents": load_file(self.latents[index])["latents"], "prompt": prompt, "index": index}
-        return {"video": self.video(index), "prompt": prompt, "index": index}
+            return batch_schema.item(prompt, index, latents=load_file(self.latents[index])["latents"])
+        return batch_schema.item(prompt, index, video=self.video(index))
 
 
 # ---------------------------------------------------------------------- datamodule
@@ -208,7 +231,8 @@ class VideoFolder(ResumableDataModule):
     Args:
         root: the data folder.
         frames: frames per sample (Wan VAE: 4k+1; 1 for images).
-        height, width: output size in pixels; each item is resized to cover it and center-cropped.
+        height, width: output size in pixels; each item is resized to cover it and center-cropped. The
+            ``posttrain`` command sets frames, height and width from ``model.init_args.run``.
         frame_stride: take every ``frame_stride``-th source frame, from the clip's first.
         repeat_images: with ``frames > 1``, make an image a still clip instead of rejecting it.
         latents_cache: folder of precomputed VAE latents; batches then carry ``latents``, not ``video``.
@@ -239,8 +263,8 @@ class VideoFolder(ResumableDataModule):
             problems.append("give `val_fraction` or `val_files`, not both")
         if vae is not None and latents_cache is None:
             problems.append("`vae` only fills a `latents_cache`; set `latents_cache: <folder>` or drop `vae`")
-        if vae is not None and vae.arch not in ("wan_vae", "vae_kl"):
-            problems.append(f"vae.arch={vae.arch!r} is not a VAE; use 'wan_vae' or 'vae_kl'")
+        if vae is not None and vae.arch not in presets.archs("vae"):
+            problems.append(f"vae.arch={vae.arch!r} is not a VAE; use {' or '.join(map(repr, presets.archs('vae')))}")
         if vae is not None and vae.pretrained is None:
             problems.append("`vae` without `pretrained` is a random preset, unlike the model's VAE and new each run; "
                             "give `vae.pretrained: <folder>`, or drop `vae` to encode with the model card's `vae`")
@@ -374,5 +398,5 @@ class VideoFolder(ResumableDataModule):
         """The held-out captions (or the first ``batch_size`` training captions) as prompts."""
         self._scan()
         items = self.val_items or self.train_items[: self.batch_size]
-        return DataLoader([{"prompt": caption, "seed": i} for i, (_, caption) in enumerate(items)],
+        return DataLoader([batch_schema.item(caption, i) for i, (_, caption) in enumerate(items)],
                           batch_size=self.batch_size)

@@ -7,7 +7,7 @@ Batches carry ``latents`` (what finetune would encode from ``video``), ``prompt`
 encoders are not run on them. With the same ``batch_size`` and ``seed`` as the datamodule the rows were
 made from, batches hold the same samples in the same order, and training is bitwise the on-the-fly run at equal CPU threads
 (tests/test_precomputed.py). At start-up the method refuses rows made by other weights, at another video
-size or text length (``ExpertModule.check_precomputed``).
+size or text length (``callbacks.precomputed.PrecomputedRows``).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Optional
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules import batch as batch_schema
 from posttrain.modules.precomputed import PrecomputedSplit, read_manifest
 
 
@@ -27,8 +28,8 @@ class PrecomputedDataset(Dataset):
         return len(self.split)
 
     def __getitem__(self, index: int) -> dict:
-        item = {"prompt": self.split.prompts[index], "index": index, "seed": index,
-                "text_embeds": {name: rows[index] for name, rows in self.split.text.items()}}
+        item = batch_schema.item(self.split.prompts[index], index,
+                                 text_embeds={name: rows[index] for name, rows in self.split.text.items()})
         if self.split.latents is not None:
             item["latents"] = self.split.latents[index]
         return item

@@ -10,6 +10,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.datamodules.synthetic import ShapesDataset
+from posttrain.modules import batch as batch_schema
+
+
+PROMPT_LINE = ('each line is one JSON object, keys and strings in double quotes: {"prompt": "a red circle moving left '
+               'on a blue background"} (or write a .txt file, one prompt per line)')
+GIVE_PROMPTS = ("give at least one, e.g. `--data.init_args.prompts='[\"a red circle moving left\"]'` (YAML: `prompts: "
+                "[...]` under data.init_args), or a file with `path: prompts.txt` (one prompt per line), or drop "
+                "`prompts` for the synthetic captions")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -32,10 +40,11 @@ def read_prompts(path: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}): {line[:80]!r}") from err
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}, column {err.colno}): {line[:80]!r}; "
+                                 f"{PROMPT_LINE}") from err
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
                 raise ValueError(f"{path}:{lineno}: expected an object with a non-empty string \"prompt\", "
-                                 f"got {line[:80]!r}")
+                                 f"got {line[:80]!r}; {PROMPT_LINE}")
             prompts.append(record["prompt"].strip())
     if not prompts:
         raise ValueError(f"prompt file {path!r} holds no prompts; write one prompt per line")
@@ -50,7 +59,7 @@ class PromptDataset(Dataset):
         return len(self.prompts)
 
     def __getitem__(self, index: int) -> dict:
-        return {"prompt": self.prompts[index], "seed": index}
+        return batch_schema.item(self.prompts[index], index)
 
 
 class Prompts(ResumableDataModule):
@@ -71,7 +80,7 @@ class Prompts(ResumableDataModule):
         if path is not None and prompts is not None:
             raise ValueError("Prompts: give `path` or `prompts`, not both")
         if prompts is not None and not [p for p in prompts if p.strip()]:
-            raise ValueError("Prompts: the inline `prompts` list is empty")
+            raise ValueError(f"Prompts: the inline `prompts` list is empty; {GIVE_PROMPTS}")
         if (exclude or include) and (path is not None or prompts is not None):
             raise ValueError("Prompts: exclude/include filter the synthetic captions; drop them or `path`/`prompts`")
         self.path, self.inline, self.num_synthetic = path, prompts, num_synthetic

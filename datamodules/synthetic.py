@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
+from posttrain.modules import batch as batch_schema
 from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts, caption, parse_caption, render
 
 COLOURS = PALETTE  # the name this module has always exported
@@ -131,7 +132,7 @@ class ShapesDataset(Dataset):
         g = torch.Generator().manual_seed(self.seed * 7_919 + index)
         start = tuple(float(v) for v in 0.25 + 0.5 * torch.rand(2, generator=g))
         video = render(shape, colour, motion, background, self.frames, self.height, self.width, start=start)
-        return {"video": video, "prompt": caption(shape, colour, motion, background), "index": index}
+        return batch_schema.item(caption(shape, colour, motion, background), index, video=video)
 
 
 class SyntheticVideos(ResumableDataModule):
@@ -140,7 +141,7 @@ class SyntheticVideos(ResumableDataModule):
     Args:
         num_samples: training set size; validation uses ``val_samples`` more indices after them.
         frames, height, width: video size in pixels (Wan VAE: frames = 4k+1; H and W multiples of the
-            VAE's spatial compression).
+            VAE's spatial compression); the ``posttrain`` command sets them from ``model.init_args.run``.
         batch_size, num_workers, seed: loader settings; ``seed`` fixes content and order.
         exclude, include: concepts held out of / required in every split (``"magenta"``,
             ``"colour:magenta"``; see the module docstring).
@@ -179,6 +180,6 @@ class SyntheticVideos(ResumableDataModule):
     def predict_dataloader(self) -> DataLoader:
         dataset = self.dataset(self.val_samples, seed_offset=1)
         # the first frame rides along: an image-to-video generator animates it (the others ignore it)
-        prompts = [{"prompt": dataset[i]["prompt"], "seed": i, "image": dataset[i]["video"][:, 0]}
+        prompts = [batch_schema.item(dataset[i]["prompt"], i, image=dataset[i]["video"][:, 0])
                    for i in range(len(dataset))]
         return DataLoader(prompts, batch_size=self.batch_size)

@@ -8,9 +8,8 @@ from posttrain.lit.dmd2 import DMD2
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
-from posttrain.lit.self_forcing import SelfForcing
 from posttrain.lit.workflow import Workflow
 from posttrain.lit.workflow_rl import WorkflowRL
 
-__all__ = ["ExpertModule", "RunArgs", "Finetune", "FlowGRPO", "DiffusionNFT", "JointRL", "DMD2", "SelfForcing",
-           "Workflow", "WorkflowRL"]
+__all__ = ["ExpertModule", "RunArgs", "Finetune", "FlowGRPO", "DiffusionNFT", "JointRL", "DMD2", "Workflow",
+           "WorkflowRL"]

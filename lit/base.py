@@ -1,46 +1,45 @@
-"""The thin base every method stands on: one optimizer per trainable expert, stepped by hand.
+"""The thin base every method stands on: one optimizer per trainable expert, stepped by hand, and serving.
 
-It owns plumbing only — never a method's algorithm:
+It owns what *every* method needs and nothing a method's algorithm is made of:
 - ``configure_optimizers``: one optimizer (and optional scheduler) per trainable expert of the card;
 - ``step_experts(losses, experts)``: back the loss (or a list of per-step losses, one at a time) up into
   ``experts`` only — a loss whose graph reaches another trainable expert is refused before its backward —
   then per expert accumulation, gradient clipping, a non-finite guard and the optimizer step, logging
   ``train/grad_norm/<expert>``, ``train/lr/<expert>``;
-- iterations: Lightning counts every ``optimizer.step()`` in ``global_step``; here optimizers are
-  stepped raw and ``callbacks.IterationCounter`` advances ``global_step`` once per training batch, so
-  ``max_steps``, logging and checkpoint cadence count iterations whatever the number of experts;
-- exact resume: the method's noise generators (``generator``, one stream per process, and
-  ``shared_generator``, the same stream on every process), the global RNGs, accumulation counters and the
-  card's signature travel in the checkpoint; a checkpoint of another card is refused before anything loads;
 - ``generate``: the serving path (the one sampler, through the generator stage), used by ``predict``,
   sample logging and evaluation.
+
+The plumbing behind it lives in ``lit/engine/`` and ``callbacks/``: exact resume and the RNG discipline
+(``engine/resume.py``, a mixin), the logging cadence (``engine/log_cadence.py``, a mixin), the start-up checks
+of the trainer (``engine/startup.py``), iterations (``callbacks.IterationCounter``: Lightning counts every
+``optimizer.step()`` in ``global_step``; here ``max_steps``, logging and checkpoint cadence count iterations),
+weight versions (``callbacks.WeightVersions``) and precomputed rows (``callbacks.PrecomputedRows``).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from posttrain.callbacks.iterations import IterationCounter
+from posttrain.callbacks.precomputed import PrecomputedRows
 from posttrain.callbacks.versions import WeightVersions
-from posttrain.modules.versions import SyncPlan
-from posttrain.lit.engine.checkpoint_io import install_checkpoint_io
+from posttrain.lit.engine.log_cadence import DeferredLogging
+from posttrain.lit.engine.resume import ExactResume
+from posttrain.lit.engine.startup import check_trainer
+from posttrain.modules import batch as batch_schema
 from posttrain.modules import presets
 from posttrain.modules.cards import ModelCard
+from posttrain.modules.distributed import any_rank
 from posttrain.modules.generators import GeneratorStage, VideoSize
 from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.versions import SyncPlan
 
 # Frozen experts are in eval mode on purpose (no dropout: the same input gives the same output); Lightning
 # warns about any module in eval mode when fit starts. This filter drops exactly that warning.
@@ -69,7 +68,8 @@ class RunArgs:
         seed: seed of the method's own noise generator (offset by the process rank).
         max_nan_steps: stop after this many iterations in a row whose loss was not finite.
         embedded_guidance: the guidance value a guidance-distilled generator embeds (FLUX-dev;
-            FluxPipeline's ``guidance_scale``); generators without a guidance embedding ignore it.
+            FluxPipeline's ``guidance_scale``); None = the generator adapter's default; generators without a
+            guidance embedding ignore it.
     """
 
     frames: int = 9
@@ -77,15 +77,19 @@ class RunArgs:
     width: int = 32
     seed: int = 0
     max_nan_steps: int = 3
-    embedded_guidance: float = 3.5
+    embedded_guidance: Optional[float] = None
 
     @property
     def video(self) -> VideoSize:
         return VideoSize(self.frames, self.height, self.width)
 
 
-class ExpertModule(LightningModule):
+class ExpertModule(ExactResume, DeferredLogging):
     """Base of every method. Subclasses write ``training_step`` as their algorithm.
+
+    The two mixins are LightningModules' own hooks (exact resume and the RNG discipline; ``log`` at the loggers'
+    cadence), each one concern in ``lit/engine/``: Lightning reaches a module only through its hooks, and these
+    must run in the module's slot (after every callback's, and ``on_load_checkpoint`` before the weights load).
 
     Args:
         card: the experts.
@@ -103,12 +107,11 @@ class ExpertModule(LightningModule):
         self.stage = GeneratorStage(card, embedded_guidance=self.run.embedded_guidance)
         self.sync_plans: list[SyncPlan] = []
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
-        self._micro: dict[str, int] = {}
+        self._micro: dict[str, int] = {}  # expert -> backward passes so far (accumulation)
         self._nan_streak: dict[str, int] = {}  # expert -> iterations in a row with a non-finite loss
-        self._frozen_digests: dict[str, str] = {}  # frozen expert -> SHA-256 of its weights (computed once)
-        self._deferred_logs: dict[str, tuple] = {}  # name -> (hook, value, kwargs) of a deferred self.log
+        # the method's noise: one stream per process (seeded with the rank at setup), and one for the draws every
+        # process must agree on (e.g. Self-Forcing's exit step), seeded alike on all ranks
         self.generator = torch.Generator().manual_seed(self.run.seed)
-        # draws every process must agree on (e.g. Self-Forcing's exit step): seeded alike on all ranks
         self.shared_generator = torch.Generator().manual_seed(self.run.seed)
 
     @property
@@ -124,7 +127,7 @@ class ExpertModule(LightningModule):
                      for name in trains if name in self.card.specs and not self.card.specs[name].trainable]
         generator = self.card.specs.get(self.stage.transformer)
         if self.sampler.chunk_frames is not None and generator is not None \
-                and not hasattr(presets.model_class(generator.arch), "new_cache"):
+                and not presets.causal(generator.arch):
             problems.append(f"sampler.chunk_frames={self.sampler.chunk_frames} samples chunk by chunk with a KV "
                             f"cache, but `{self.stage.transformer}` has arch {generator.arch!r}, which is not "
                             f"block-causal: set `arch: wan_t2v_causal`, or sampler.chunk_frames: null")
@@ -137,7 +140,7 @@ class ExpertModule(LightningModule):
         if not self.card.built:
             # a sharding strategy builds its sharded experts itself (partitioned under deepspeed.zero.Init)
             # and gathers them while roles copy them
-            strategy = self._trainer.strategy if self._trainer is not None else None
+            strategy = self._strategy
             self.card.build(build_expert=getattr(strategy, "build_expert", None))
             gathered = getattr(strategy, "gathered_experts", lambda card: contextlib.nullcontext())
             with gathered(self.card):
@@ -158,100 +161,26 @@ class ExpertModule(LightningModule):
         """Methods add frozen roles (``card.add_role``) and sync plans here, after the card is built."""
 
     def setup(self, stage: str) -> None:
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:  # float16 AMP (GPU)
-            raise ValueError(
-                f"trainer.precision={self.trainer.precision}: float16 mixed precision needs a gradient scaler per "
-                f"expert, and experts are stepped by hand here without one; use `precision: bf16-mixed` (no scaler "
-                f"needed) or `dtype: bfloat16` on the experts")
-        sharded = [name for name, spec in self.card.specs.items() if spec.sharded]
-        if sharded and not hasattr(self.trainer.strategy, "expert_backward"):
-            raise ValueError(
-                f"experts {sharded} have `sharded: true`, but trainer.strategy is "
-                f"{type(self.trainer.strategy).__name__}, which does not shard: set `trainer.strategy: "
-                f"{{class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}}`, or `sharded: false` on those experts")
-        # each expert's backward leaves the other experts' parameters without gradient: DDP must expect that
-        plain = [name for name in self.card.trainable if not self.card.specs[name].sharded]
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DDPStrategy) and strategy.world_size > 1 and len(plain) > 1 \
-                and not strategy._ddp_kwargs.get("find_unused_parameters", False):
-            raise ValueError(
-                f"experts {plain} train under DDP with separate backward passes, which needs "
-                f"find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`, or "
-                f"`{{class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}}` (it sets it)")
-        self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
-        self.shared_generator = torch.Generator().manual_seed(self.run.seed)
-        install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
+        check_trainer(self.trainer, self.card)
+        super().setup(stage)  # ExactResume: per-process noise, verified checkpoint folders
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
         decide together whether an expert updates."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
-    # training hooks whose self.log defaults to on_step=True, on_epoch=False
-    _STEP_HOOKS = ("training_step", "on_train_batch_start", "on_train_batch_end")
-
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: Optional[bool] = None,
-            on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, **kwargs: Any) -> None:
-        """``LightningModule.log``, deferred for a per-iteration training metric in an iteration whose metrics
-        reach no logger.
-
-        Lightning hands the loggers, every ``trainer.log_every_n_steps`` iterations, the latest value of each
-        on-step metric, but each ``log`` call costs its bookkeeping (about 0.3 ms on a CPU: eight calls were
-        15% of a tiny finetune iteration, bench/overhead.py). Here such a call only keeps the latest value;
-        the next iteration whose metrics reach the loggers (or the run's last) logs what was kept, so loggers
-        get the same values as before. ``trainer.callback_metrics`` and the progress bar refresh at the
-        logging cadence. Epoch-aggregated metrics (``on_epoch=True``) and every other hook log at once.
-        """
-        kwargs.update(prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch)
-        fx = self._current_fx_name
-        if on_epoch or fx not in self._STEP_HOOKS or self.log_due:
-            self._deferred_logs.pop(name, None)
-            super().log(name, value, **kwargs)
-        else:
-            self._deferred_logs[name] = (fx, value.detach() if isinstance(value, torch.Tensor) else value, kwargs)
-
-    def _flush_deferred_logs(self, batch_idx: int) -> None:
-        # after every callback's on_train_batch_end, before Lightning hands metrics to the loggers; also at an
-        # epoch's last batch, where Lightning's callback_metrics took the latest values before its epoch reset
-        if self._deferred_logs and (self.log_due or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-                                    or batch_idx + 1 >= self.trainer.num_training_batches):
-            deferred, self._deferred_logs = self._deferred_logs, {}
-            current = self._current_fx_name
-            for name, (fx, value, kwargs) in deferred.items():
-                self._current_fx_name = fx  # Lightning keys a result by the hook that logged it
-                super().log(name, value, **kwargs)
-            self._current_fx_name = current
-
-    def on_train_epoch_start(self) -> None:
-        self._deferred_logs.clear()  # none outlives its epoch (Lightning resets its results there)
-
-    @property
-    def log_due(self) -> bool:
-        """Whether this training iteration's on-step metrics reach the loggers (Lightning's own decision:
-        every ``log_every_n_steps``, or when stopping), or it is the run's last iteration."""
-        trainer = self._trainer
-        if trainer is None or not trainer.training:
-            return True
-        due = getattr(trainer._logger_connector, "should_update_logs", True)
-        # Lightning's batch count (what should_update_logs uses): global_step moves within the iteration
-        iteration = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step) + 1
-        last_step = 0 < trainer.max_steps <= iteration
-        last_epoch = 0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1 \
-            and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        return due or last_step or last_epoch
+        return any_rank(flag, self.device)
 
     def configure_callbacks(self):
-        return [IterationCounter(), WeightVersions()]
+        return [IterationCounter(), WeightVersions(), PrecomputedRows()]
+
+    @property
+    def _strategy(self):
+        """The trainer's strategy, or None outside a trainer (a card built or inspected on its own)."""
+        return self._trainer.strategy if self._trainer is not None else None
 
     @property
     def engine_experts(self) -> dict[str, Any]:
         """Experts whose optimizer lives in a DeepSpeed engine of the strategy (name -> engine)."""
-        trainer = self._trainer
-        return getattr(trainer.strategy, "engines", {}) if trainer is not None else {}
+        return getattr(self._strategy, "engines", {})
 
     @property
     def plain_trainable(self) -> list[str]:
@@ -408,12 +337,14 @@ class ExpertModule(LightningModule):
     @property
     def serving_transformer(self) -> str:
         """The generator that serves samples: its EMA copy when the method keeps one."""
-        return "transformer_ema" if "transformer_ema" in self.card.models else "transformer"
+        generator = self.stage.transformer
+        return next((name for name, (of, role) in self.card.roles.items() if of == generator and role == "ema"),
+                    generator)
 
-    def conditioning(self, prompts: list[str], guidance_scale: float, images: Optional[torch.Tensor] = None):
-        """``prompts``' conditioning and, when CFG is on, the empty prompt's (cached like any prompt); an
-        image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos."""
-        return self.stage.conditioning(prompts, guidance_scale, self.device, images=images, size=self.video)
+    def conditioning(self, prompts: list[str], sampler: FlowMatchSampler, images: Optional[torch.Tensor] = None):
+        """``prompts``' conditioning and, when ``sampler`` guides (CFG), the empty prompt's (cached like any
+        prompt); an image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos."""
+        return self.stage.conditioning(prompts, sampler.guidance_scale, self.device, images=images, size=self.video)
 
     def batch_images(self, batch: dict) -> Optional[torch.Tensor]:
         """The conditioning images of a batch for an image-to-video generator: its ``image`` (B, 3, H, W),
@@ -433,16 +364,15 @@ class ExpertModule(LightningModule):
                  images: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, C, F, H, W) videos in [-1, 1] for ``prompts`` (and, image-to-video, their first frames
         ``images``): the sampler's loop over the serving transformer (chunk by chunk for a block-causal one),
-        then VAE decoding. The noise is ``torch.randn`` of one CPU generator seeded with ``seed``, in the
+        then VAE decoding. The noise is ``torch.randn`` of one CPU rng seeded with ``seed``, in the
         latent shape (C, F', h, w) the diffusers pipeline draws, so ``WanPipeline(latents=that noise)``
         reproduces it (``FluxPipeline`` takes it packed, ``Flux.pack(noise)``)."""
         shape = self.stage.latent_shape(self.video)
-        generator = torch.Generator().manual_seed(seed)
-        noise = torch.randn((len(prompts), *shape), generator=generator).to(self.device)
-        cond, uncond = self.conditioning(prompts, self.sampler.guidance_scale, images)
-        # the same generator draws any later noise (a few-step student's re-noise steps)
-        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer,
-                                 generator=generator)
+        rng = torch.Generator().manual_seed(seed)
+        noise = torch.randn((len(prompts), *shape), generator=rng).to(self.device)
+        cond, uncond = self.conditioning(prompts, self.sampler, images)
+        # the same rng draws any later noise (a few-step student's re-noise steps)
+        traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer, rng=rng)
         return traj.latents if latents_only else self.stage.decode(traj.latents)
 
     def serving_settings(self) -> dict[str, Any]:
@@ -451,152 +381,9 @@ class ExpertModule(LightningModule):
         return stage_serving_settings(self.stage, self.sampler, self.video, self.serving_transformer)
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
-        seeds = batch.get("seed")
-        seed = int(seeds[0]) if seeds is not None else batch_idx
         prompts = list(batch["prompt"])
-        return {"prompts": prompts,
-                "videos": self.generate(prompts, seed=seed, images=self.batch_images(batch)).cpu()}
-
-    # ------------------------------------------------------------------ only training draws from the global RNGs
-    # Between two training batches Lightning may run a validation, or, in a resumed run, fast-forward over the one
-    # the checkpoint was taken before (building the validation loader's iterator draws a seed from the global
-    # torch RNG). Those draws would make a resumed run differ from an uninterrupted one, so the global RNG states
-    # are taken when training starts and after every training batch, and put back before the next one (and at the
-    # end of a validation epoch, before a checkpoint callback could save in ``on_validation_end``).
-    def on_train_start(self) -> None:
-        self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self._flush_deferred_logs(batch_idx)
-        self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        states = getattr(self, "_rng_between_batches", None)
-        if states is not None:
-            _set_rng_states(states)
-        self.take_precomputed(batch)
-
-    def on_validation_batch_start(self, batch, batch_idx, dataloader_idx: int = 0) -> None:
-        self.take_precomputed(batch)
-
-    # ------------------------------------------------------------------ rows precomputed by `posttrain preprocess`
-    def on_fit_start(self) -> None:
-        self.check_precomputed()
-
-    def on_validation_start(self) -> None:
-        if self.trainer.state.fn == "validate":
-            self.check_precomputed()
-
-    def check_precomputed(self) -> None:
-        """Refuse rows of a ``PrecomputedVideos`` datamodule made by other weights, size or text length, and
-        cache its empty-prompt rows (caption dropout, CFG)."""
-        data = getattr(self.trainer, "datamodule", None)
-        manifest = getattr(data, "manifest", None)
-        if manifest is None:
-            return
-        from posttrain.modules.precomputed import mismatches
-
-        digests = {name: self.card.weights_digest(name) for name in manifest["sources"] if self.card.has(name)}
-        video = (self.video.frames, self.video.height, self.video.width)
-        problems = mismatches(manifest, digests, self.card.text_max_length, video)
-        if problems:
-            raise ValueError(f"the precomputed rows in {data.path!r} do not fit this run: {'; '.join(problems)}. "
-                             f"Run `posttrain preprocess --config <this config> --out {data.path} --overwrite true` "
-                             f"again, or train on the original data")
-        for name, rows in data.empty_text_embeds.items():
-            self.card.cache.put(name, self.card.versions[name], [""], rows.to(self._text_dtype(name)))
-
-    def take_precomputed(self, batch) -> None:
-        """A batch's precomputed text rows go into the card's cache, where the conditioning finds them."""
-        rows = batch.get("text_embeds") if isinstance(batch, dict) else None
-        for name, values in (rows or {}).items():
-            self.card.cache.put(name, self.card.versions[name], list(batch["prompt"]),
-                                values.to(self._text_dtype(name)))
-
-    def _text_dtype(self, name: str) -> torch.dtype:
-        return next(self.card[name].parameters()).dtype
-
-    def on_validation_epoch_end(self) -> None:
-        states = getattr(self, "_rng_between_batches", None)
-        if states is not None and self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
-            _set_rng_states(states)
-
-    # ------------------------------------------------------------------ checkpoints
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # frozen experts read from a file are not saved (the UMT5 of Wan 1.3B alone is ~23 GB in fp32): a resume
-        # reloads them from their source and refuses a source that changed since
-        frozen = {}
-        for name in self.card.reloadable():
-            prefix = f"card.models.{name}."
-            keys = [k for k in checkpoint.get("state_dict", {}) if k.startswith(prefix)]
-            if keys:
-                for key in keys:
-                    del checkpoint["state_dict"][key]
-                if name not in self._frozen_digests:
-                    self._frozen_digests[name] = self.card.weights_digest(name)
-                frozen[name] = {"sha256": self._frozen_digests[name], "source": self.card.sources()[name]}
-        generators = [self.generator.get_state()]
-        if dist.is_available() and dist.is_initialized():
-            generators = [None] * dist.get_world_size()
-            dist.all_gather_object(generators, self.generator.get_state())
-        checkpoint["posttrain"] = {
-            "signature": self.card.signature(),
-            "configs": {name: model_config(model) for name, model in self.card.models.items()},
-            "arch": {name: spec.arch for name, spec in self.card.specs.items()},
-            "sources": self.card.sources(),
-            "serving": self.serving_settings(),
-            "run": {"wandb_id": self._wandb_id()},
-            "frozen": frozen,
-            "generators": generators,
-            "shared_generator": self.shared_generator.get_state(),
-            "micro": dict(self._micro),
-            "nan_streak": dict(self._nan_streak),
-            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-        }
-
-    def _wandb_id(self) -> Optional[str]:
-        from lightning.pytorch.loggers import WandbLogger
-
-        for logger in (self._trainer.loggers if self._trainer is not None else []):
-            if isinstance(logger, WandbLogger):
-                return str(logger.version)
-        return None
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint.get("posttrain")
-        if state is None:
-            raise ValueError("this checkpoint was not written by posttrain (no 'posttrain' entry); "
-                             "load plain weights with `pretrained:` on the expert instead")
-        check_signature(state["signature"], self.card.signature())
-        self._restore_frozen(checkpoint, state.get("frozen") or {})
-        generators = state["generators"]
-        self.generator.set_state(generators[self.global_rank % len(generators)])
-        if "shared_generator" in state:
-            self.shared_generator.set_state(state["shared_generator"])
-        self._micro = dict(state["micro"])
-        self._nan_streak = dict(state["nan_streak"])
-        torch.set_rng_state(state["rng"]["torch"])
-        _set_numpy_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        if state["rng"].get("cuda") and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-
-
-    def _restore_frozen(self, checkpoint: dict, frozen: dict) -> None:
-        """Put back the frozen experts the checkpoint left out, from their sources, after checking that each
-        source still holds the weights the checkpoint was trained with."""
-        for name, saved in frozen.items():
-            digest = self._frozen_digests.setdefault(name, self.card.weights_digest(name))
-            if digest != saved["sha256"]:
-                source = saved.get("source") or {}
-                where = source.get("pretrained") or f"the shipped {source.get('arch')!r} weights"
-                raise ValueError(f"frozen expert {name!r} is not the one this checkpoint was trained with: its source "
-                                 f"({where}) changed since (weights SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…). "
-                                 f"Restore that source, or start a new run from the checkpoint's trained experts")
-            prefix = f"card.models.{name}."
-            for key, value in self.card.models[name].state_dict().items():
-                checkpoint["state_dict"][prefix + key] = value
+        return {"prompts": prompts, "videos": self.generate(prompts, seed=batch_schema.seed(batch, batch_idx),
+                                                            images=self.batch_images(batch)).cpu()}
 
 
 def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, size: VideoSize,
@@ -611,43 +398,3 @@ def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, siz
             "height": size.height, "width": size.width, "transformer": transformer,
             "generator": stage.transformer, "vae": stage.vae, "text_encoders": list(stage.encoders),
             "image_encoder": stage.image_encoder, "embedded_guidance": stage.embedded_guidance}
-
-
-def _numpy_state() -> dict:
-    """numpy's RNG state in types that ``torch.load(weights_only=True)`` accepts."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-            "gauss": float(gauss)}
-
-
-def _set_numpy_state(state: dict) -> None:
-    np.random.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
-                         state["gauss"]))
-
-
-def model_config(model: torch.nn.Module) -> dict:
-    """The constructor config of a diffusers or transformers model, as a plain dict."""
-    model = getattr(model, "module", model) if type(model).__name__ == "DeepSpeedEngine" else model
-    config = getattr(model, "config", None)
-    if config is None:
-        return {}
-    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    if "_use_default_values" in config:  # diffusers lists a set here: its order changes with the process
-        config["_use_default_values"] = sorted(config["_use_default_values"])
-    return config
-
-
-def check_signature(saved: dict, current: dict) -> None:
-    """Refuse a checkpoint whose experts differ from the card's, naming every difference."""
-    problems = []
-    for name in sorted(set(saved) | set(current)):
-        if name not in current:
-            problems.append(f"checkpoint has expert {name!r} ({saved[name]}), the card does not")
-        elif name not in saved:
-            problems.append(f"the card has expert {name!r} ({current[name]}), the checkpoint does not")
-        elif saved[name] != current[name]:
-            problems.append(f"expert {name!r} differs: checkpoint {saved[name]} vs card {current[name]}")
-    if problems:
-        raise ValueError("checkpoint does not match this model card; nothing was loaded:\n  - "
-                         + "\n  - ".join(problems)
-                         + "\nResume with the config the checkpoint was trained with, or start a new run.")

@@ -56,11 +56,12 @@ class Finetune(ExpertModule):
         self.caption_dropout = caption_dropout
         self.ema_decay = ema_decay
         self.val_sigmas = val_sigmas
+        self.policy = self.stage.transformer
 
     def setup_roles(self) -> None:
-        if self.ema_decay is not None:
-            ema = self.card.add_role("ema", of="transformer")
-            self.sync_plans.append(SyncPlan("transformer", ema, constant(self.ema_decay)))
+        if self.ema_decay is not None:  # the EMA copy serves (``serving_transformer``)
+            ema = self.card.add_role("ema", of=self.policy)
+            self.sync_plans.append(SyncPlan(self.policy, ema, constant(self.ema_decay)))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # 1. clean latents x0 (B, C, F', h, w): precomputed by the datamodule, or the frozen VAE's
@@ -76,13 +77,13 @@ class Finetune(ExpertModule):
                               self.logit_mean, self.logit_std).to(self.device)
         noise = torch.randn(x0.shape, generator=self.generator).to(x0)
         # 4. v_θ(x_σ, σ, c) regressed onto ε - x0
-        with self.stage.velocity("transformer") as velocity:
+        with self.stage.velocity(self.policy) as velocity:
             v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
         per_sample, metrics = flow_matching_loss(v, x0, noise)
         loss = per_sample.mean()
         # 5. one backward, one generator step
-        self.step_experts(loss, ["transformer"])
-        self.log("train/loss", loss, prog_bar=True, on_step=True)
+        self.step_experts(loss, [self.policy])
+        self.log(f"train/loss/{self.policy}", loss, prog_bar=True, on_step=True)
         self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
         return loss.detach()
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain.lit.base import ExpertModule, RunArgs, stage_serving_settings
+from posttrain.modules import batch as batch_schema
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.workflow import Stage, StageOutput, WorkflowPlan
 
@@ -60,9 +61,7 @@ class Workflow(ExpertModule):
         return self.run_stages(prompts, seed)[self.stages[-1].name].media
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
-        seeds = batch.get("seed")
-        seed = int(seeds[0]) if seeds is not None else batch_idx
-        outputs = self.run_stages(list(batch["prompt"]), seed)
+        outputs = self.run_stages(list(batch["prompt"]), batch_schema.seed(batch, batch_idx))
         return {"prompts": list(batch["prompt"]), "videos": outputs[self.stages[-1].name].media.cpu(),
                 "stages": {name: (out.media.cpu() if out.media is not None else out.prompts)
                            for name, out in outputs.items()}}

@@ -114,6 +114,9 @@ class ModelCard(nn.Module):
         self.tokenizers: dict[str, Any] = {}
         self.roles: dict[str, tuple[str, str]] = {}  # role component name -> (source expert, role)
         self.versions: dict[str, int] = {name: 0 for name in specs}
+        # expert -> what runs its forward instead of the model itself (``route``); a plain dict, so the
+        # runners are not submodules of the card (its state dict holds the models alone)
+        self._runners: dict[str, Callable[..., Any]] = {}
         self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
 
     def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
@@ -192,15 +195,11 @@ class ModelCard(nn.Module):
                 copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})")
         for name, spec in self.specs.items():
             model = built[name]
-            if spec.arch in presets.TEXT_ENCODERS or spec.arch == "qwen2":
-                self.tokenizers[name] = presets.build_tokenizer(
-                    spec.tokenizer, presets.tokenizer_length(spec.arch, model.config))
-            if spec.lora is not None:
-                from peft import LoraConfig as PeftLoraConfig
-
-                model.requires_grad_(False)
-                model.add_adapter(PeftLoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha,
-                                                 target_modules=spec.lora.target_modules, init_lora_weights=True))
+            tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
+            if tokenizer is not None:
+                self.tokenizers[name] = tokenizer
+            if spec.lora is not None:  # after init_from: the copied weights are the adapter's base
+                presets.add_lora(model, spec.lora)
             if spec.gradient_checkpointing and hasattr(model, "enable_gradient_checkpointing"):
                 model.enable_gradient_checkpointing()
             elif spec.gradient_checkpointing:
@@ -235,11 +234,20 @@ class ModelCard(nn.Module):
 
     # ------------------------------------------------------------------ access
     def __getitem__(self, name: str) -> nn.Module:
-        if name in self.models:
-            return self.models[name]
-        if name in self.roles:  # LoRA reference: the source module, use `card.use(name)` to run it
-            return self.models[self.roles[name][0]]
-        raise KeyError(f"no component {name!r} on the card; components: {sorted(self.models)}")
+        """The module that runs component ``name``: its model (``card.models[name]``, always the model itself),
+        or, for an expert a strategy routed (``route``), the model whose forward runs through that runner. A
+        LoRA reference is its source (use ``card.use(name)`` to run it with the adapter off)."""
+        source = self.roles[name][0] if name in self.roles and name not in self.models else name
+        if source not in self.models:
+            raise KeyError(f"no component {name!r} on the card; components: {sorted(self.models)}")
+        model = self.models[source]
+        runner = self._runners.get(source)
+        return model if runner is None else Routed(model, runner)
+
+    def route(self, name: str, runner: Callable[..., Any]) -> None:
+        """Run expert ``name``'s forward through ``runner`` from now on (a DeepSpeed engine: its forward registers
+        the backward hooks its ZeRO optimizer needs). ``card.models[name]`` stays the model."""
+        self._runners[name] = runner
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[nn.Module]:
@@ -248,7 +256,7 @@ class ModelCard(nn.Module):
             model = self.models[self.roles[name][0]]
             model.disable_adapters()
             try:
-                yield model
+                yield self[name]
             finally:
                 model.enable_adapters()
         else:
@@ -289,7 +297,7 @@ class ModelCard(nn.Module):
         in checkpoints; so do roles (EMA, old, reference), which move or copy a trained expert."""
         names = []
         for name, spec in self.specs.items():
-            from_file = spec.pretrained is not None or (spec.arch in presets.TRAINED_ASSETS and not spec.preset)
+            from_file = presets.loads_weights(spec.arch, spec.pretrained, spec.preset)
             if not spec.trainable and from_file and spec.init_from is None and name in self.models:
                 names.append(name)
         return names
@@ -312,6 +320,30 @@ class ModelCard(nn.Module):
         """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
         ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
         return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+
+class Routed:
+    """A model whose forward runs through a runner (``ModelCard.route``); everything else — config, parameters,
+    methods such as ``generate`` or ``new_cache``, ``isinstance`` — is the model's. The one place a DeepSpeed
+    engine stands in for its model: every caller of ``card[name]`` runs the engine and reads the model."""
+
+    __slots__ = ("model", "runner")
+
+    def __init__(self, model: nn.Module, runner: Callable[..., Any]):
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "runner", runner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Routed.__slots__:  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @property  # isinstance(card[name], WanTransformer3DModel) holds for a routed expert too
+    def __class__(self):
+        return type(self.model)
 
 
 @torch.no_grad()

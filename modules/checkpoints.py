@@ -33,10 +33,12 @@ checkpoint I/O, ``lit/engine/strategy.py`` writes the sharded folders by it, ``c
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 import uuid
@@ -74,11 +76,9 @@ def fault_point(name: str) -> None:
 
 # ---------------------------------------------------------------------- no foreign code
 def allowed_globals() -> list:
-    """The only non-builtin types ``torch.load`` may build from a checkpoint.
-
-    ``lightning.pt`` needs none (tensors, dicts, lists, tuples, numbers, strings; numpy's RNG state is stored
-    as a tensor). DeepSpeed's optimizer shards hold these three, plain data objects without code.
-    """
+    """The only non-builtin types ``torch.load`` may build from DeepSpeed's shards: its optimizer shards hold these
+    three, plain data objects without code. ``lightning.pt`` needs none (tensors, dicts, lists, tuples, numbers,
+    strings; numpy's RNG state is stored as a tensor), so reading it never imports DeepSpeed."""
     allowed: list = []
     with contextlib.suppress(ImportError):
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -90,21 +90,21 @@ def allowed_globals() -> list:
 
 
 @contextlib.contextmanager
-def restricted_unpickling(where: str = "") -> Iterator[None]:
-    """Every ``torch.load`` inside runs weights-only with the allow-list — also DeepSpeed's shard loader, which
-    asks for full unpickling: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` makes torch ignore that request, so nothing in
-    a checkpoint can run code (tests/test_checkpoints.py loads a live payload through it). A refused file becomes
-    a ``CheckpointError`` naming ``where``."""
+def restricted_unpickling(where: str = "", deepspeed: bool = True) -> Iterator[None]:
+    """Every ``torch.load`` inside runs weights-only with the allow-list (``deepspeed``: DeepSpeed's three shard
+    types too) — also DeepSpeed's shard loader, which asks for full unpickling: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``
+    makes torch ignore that request, so nothing in a checkpoint can run code (tests/test_checkpoints.py loads a
+    live payload through it). A refused file becomes a ``CheckpointError`` naming ``where``."""
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with torch.serialization.safe_globals(allowed_globals() if deepspeed else []):
             yield
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[0]
-        raise CheckpointError(f"{where or 'checkpoint'}: refused to unpickle a file there: it holds objects outside "
-                              f"the allow-list of checkpoint types ({reason}). posttrain never runs code from a "
-                              f"checkpoint; load only checkpoints written by `posttrain fit`") from None
+        raise CheckpointError(f"{where or 'checkpoint'}: refused to unpickle a file there: it holds "
+                              f"{_refused_object(err)}, outside the allow-list of checkpoint types (tensors, numbers, "
+                              f"strings, containers). posttrain never runs code from a checkpoint; load only "
+                              f"checkpoints written by `posttrain fit`") from None
     finally:
         if previous is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
@@ -112,10 +112,19 @@ def restricted_unpickling(where: str = "") -> Iterator[None]:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
 
 
-def load_state(file: str) -> dict[str, Any]:
-    """``torch.load`` of one state file, weights only, with the allow-list."""
+def _refused_object(err: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, from its long generic text (which suggests loading with
+    ``weights_only=False``: never here)."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err)) \
+        or re.search(r"Unsupported operand (\S+)", str(err))
+    return f"`{found.group(1)}`" if found else "an object torch's weights-only unpickler does not build"
+
+
+def load_state(file: str, deepspeed: bool = False) -> dict[str, Any]:
+    """``torch.load`` of one state file, weights only: ``lightning.pt`` needs no type beyond torch's own (``deepspeed``:
+    a ZeRO shard file, with DeepSpeed's three)."""
     try:
-        with restricted_unpickling(file):
+        with restricted_unpickling(file, deepspeed=deepspeed):
             return torch.load(file, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
@@ -226,24 +235,69 @@ def commit(temp: str, destination: str, hashed: dict[str, dict], meta: Optional[
 
 def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optional[dict] = None) -> None:
     """Write ``checkpoint`` as a complete checkpoint folder at ``destination`` (one process). A failed write (a full
-    disk) removes its temporary folder and leaves every earlier checkpoint as it was."""
+    disk, a file-size limit, anything) removes its temporary folder, leaves every earlier checkpoint as it was and
+    raises ``CheckpointError`` naming the destination, the cause and the fix."""
     os.makedirs(os.path.dirname(os.path.abspath(destination)), exist_ok=True)
     temp = temp_path(destination, new_token())
-    os.makedirs(temp)
     try:
+        os.makedirs(temp)
         fault_point("write:start")
         digest = save_state(checkpoint, os.path.join(temp, STATE))
         fault_point("write:state")
         commit(temp, destination, {STATE: digest}, meta=_meta_of(checkpoint, meta))
-    except OSError as err:
+    except BaseException as err:
         shutil.rmtree(temp, ignore_errors=True)
-        raise CheckpointError(write_failed(destination, err.strerror or str(err))) from err
+        if not isinstance(err, Exception):  # an interrupt: the write did not fail, it was stopped
+            raise
+        raise CheckpointError(write_failed(destination, *failure_of(err, destination))) from err
 
 
-def write_failed(destination: str, reason: str) -> str:
-    return (f"writing checkpoint {destination!r} failed ({reason}); the earlier checkpoints are unchanged. Free "
-            f"space in {os.path.dirname(destination)!r} (or point ModelCheckpoint's dirpath elsewhere) and resume with "
-            f"--ckpt_path last")
+def failure_of(err: BaseException, destination: str) -> tuple[str, str]:
+    """(cause, fix) of a failed write, told on the process where it failed.
+
+    The cause is the operating system's error where Python saw one: torch's zip writer over a Python file turns
+    a failed ``write`` into ``RuntimeError: [enforce fail at inline_container.cc:…] . unexpected pos …`` with the
+    ``OSError`` (``File too large``, ``No space left on device``) as its context. Its C++ file writer (DeepSpeed's
+    shards) raises the same text with no error behind it: a file stopped part-way, because the disk is full or a
+    file-size limit was reached — the process's limit tells which."""
+    limit = _file_size_limit()
+    cause: Optional[BaseException] = err
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        reason, code = cause.strerror or str(cause), cause.errno
+    else:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        short = re.search(r"unexpected pos \d+ vs \d+", text)
+        reason = (f"a file write stopped part-way (torch: {short.group(0)})" if short
+                  else f"{type(err).__name__}: {text}" if text else type(err).__name__)
+        code = errno.EFBIG if short and limit is not None else None
+    if code == errno.EFBIG and limit is not None:
+        fix = (f"This process may write files of at most {limit} bytes (a file-size limit, `ulimit -f`) and the "
+               f"checkpoint's are larger: raise that limit, or point ModelCheckpoint's dirpath elsewhere")
+    elif code == errno.EFBIG:
+        fix = "The checkpoint is larger than the filesystem's largest file: point ModelCheckpoint's dirpath elsewhere"
+    else:
+        folder = os.path.dirname(os.path.abspath(destination))
+        fix = f"Free space in {folder!r} (or point ModelCheckpoint's dirpath elsewhere)"
+    return reason, fix
+
+
+def _file_size_limit() -> Optional[int]:
+    """The largest file this process may write (``RLIMIT_FSIZE``), or None without a limit."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def write_failed(destination: str, reason: str, fix: str, where: str = "") -> str:
+    """The message of a failed checkpoint write: the destination, the cause (``where``: on which process) and the
+    fix (``failure_of``)."""
+    return (f"writing checkpoint {destination!r} failed{where} ({reason}); the earlier checkpoints are unchanged (its "
+            f"temporary folder is removed). {fix}, and resume with --ckpt_path last")
 
 
 def _meta_of(checkpoint: dict, meta: Optional[dict]) -> dict:
@@ -278,8 +332,13 @@ def read_manifest(folder: str) -> dict[str, Any]:
     try:
         with open(path) as f:
             manifest = json.load(f)
-        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-            raise ValueError(f"format {manifest.get('format')!r}")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+                or not isinstance(manifest.get("files"), dict):
+            raise ValueError(f"format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
+        algorithm = manifest.get("hash", HASH)
+        if not all(isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                   and isinstance(entry.get(algorithm), str) for entry in manifest["files"].values()):
+            raise ValueError("an entry without size and hash")
     except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: corrupt manifest ({err}); the checkpoint cannot be verified") from None
     return manifest

@@ -98,17 +98,29 @@ def judge(videos: torch.Tensor, prompts: Sequence[str], min_motion: float = 0.05
         raise ValueError(f"synthetic GenEval takes (B, 3, F, H, W) videos in [-1, 1]; got shape {tuple(videos.shape)}")
     if len(prompts) != videos.shape[0]:
         raise ValueError(f"synthetic GenEval: {len(prompts)} prompts for {videos.shape[0]} videos")
-    verdicts = {fact: torch.full((len(prompts),), float("nan")) for fact in FACTS}
-    for b, prompt in enumerate(prompts):
-        asked = parse_caption(prompt)
-        if all(getattr(asked, f) is None for f in FACTS):
+    asked = []
+    for prompt in prompts:
+        asked.append(parse_caption(prompt))
+        if all(getattr(asked[-1], f) is None for f in FACTS):
             raise ValueError(f"synthetic GenEval: prompt {prompt!r} names no shape, colour, background or motion "
                              f"of the synthetic world ({SHAPES}, {_COLOUR_NAMES}, {tuple(MOTIONS)}); score "
                              f"synthetic captions, or the original prompts of refined ones")
+    return judge_facts(videos, asked, min_motion)
+
+
+def judge_facts(videos: torch.Tensor, asked: Sequence[Facts], min_motion: float = 0.05) -> dict[str, torch.Tensor]:
+    """Per-sample verdicts of (B, 3, F, H, W) videos against the facts asked of each (a user request's,
+    ``modules/requests.py``): ``{fact: (B,)}``, 1.0 shown, 0.0 not, NaN where ``asked`` leaves the fact out."""
+    if videos.ndim != 5 or videos.shape[1] != 3:
+        raise ValueError(f"synthetic GenEval takes (B, 3, F, H, W) videos in [-1, 1]; got shape {tuple(videos.shape)}")
+    if len(asked) != videos.shape[0]:
+        raise ValueError(f"synthetic GenEval: {len(asked)} sets of facts for {videos.shape[0]} videos")
+    verdicts = {fact: torch.full((len(asked),), float("nan")) for fact in FACTS}
+    for b, facts in enumerate(asked):
         shown = read_facts(videos[b], min_motion)
         for fact in FACTS:
-            if getattr(asked, fact) is not None:
-                verdicts[fact][b] = float(getattr(shown, fact) == getattr(asked, fact))
+            if getattr(facts, fact) is not None:
+                verdicts[fact][b] = float(getattr(shown, fact) == getattr(facts, fact))
     return {fact: v.to(videos.device) for fact, v in verdicts.items()}
 
 

@@ -6,15 +6,15 @@ import torch
 from posttrain.modules.samplers import shift_sigmas
 
 
-def sample_sigmas(batch_size: int, mode: str, generator: torch.Generator | None = None, shift: float = 1.0,
+def sample_sigmas(batch_size: int, mode: str, rng: torch.Generator | None = None, shift: float = 1.0,
                   logit_mean: float = 0.0, logit_std: float = 1.0, low: float = 0.0, high: float = 1.0
                   ) -> torch.Tensor:
     """(B,) training σ: uniform, or logit-normal as in SD3/Wan training, mapped onto [low, high] (DMD2 draws
     its score σ from [0.02, 0.98]); then flow-shifted."""
     if mode == "uniform":
-        sigma = torch.rand(batch_size, generator=generator)
+        sigma = torch.rand(batch_size, generator=rng)
     elif mode == "logit_normal":
-        sigma = torch.sigmoid(logit_mean + logit_std * torch.randn(batch_size, generator=generator))
+        sigma = torch.sigmoid(logit_mean + logit_std * torch.randn(batch_size, generator=rng))
     else:
         raise ValueError(f"unknown sigma sampling {mode!r}; choose 'uniform' or 'logit_normal'")
     if (low, high) != (0.0, 1.0):

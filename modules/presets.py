@@ -1,149 +1,135 @@
-"""Real model classes, as tiny random-weight presets or loaded with ``from_pretrained``.
+"""Real model classes, as tiny random-weight presets or loaded with ``from_pretrained``: the one recipe every
+model of the package is built by.
 
-Every component of a card is built here from its ``arch`` name. A preset is the constructor config of
-the real ``diffusers``/``transformers`` class, shrunk so that the embedded default trains on a CPU in
-seconds; ``preset`` overrides in YAML change single keys of it. With ``pretrained`` set, the class's
-own ``from_pretrained`` loads a local folder (or a hub id already in the local cache): nothing is
-downloaded at run time.
+Every component of a card is built here from its ``arch`` name: an ``Architecture`` of ``ARCHITECTURES``, the
+shared components below (text encoders, VAEs, the refiner LM) and those every generator family declares in its
+own file (``modules/generators/<family>.py``: the generator, its preset and adapter). A preset is the constructor
+config of the real ``diffusers``/``transformers`` class, shrunk so that the embedded default trains on a CPU in
+seconds; ``preset`` overrides in YAML change single keys of it. With ``pretrained`` set, the class's own
+``from_pretrained`` loads a local folder (or a hub id already in the local cache): nothing is downloaded at run
+time.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
+from diffusers import AutoencoderKL, AutoencoderKLWan, ModelMixin
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
-    CLIPTextConfig,
     CLIPTextModel,
-    CLIPVisionConfig,
     CLIPVisionModel,
-    Qwen2Config,
     Qwen2ForCausalLM,
-    T5Config,
     T5EncoderModel,
-    UMT5Config,
     UMT5EncoderModel,
 )
 
-from posttrain.modules.causal_wan import CausalWanTransformer3DModel
+from posttrain.modules.generators import ARCHITECTURES as _FAMILIES
+from posttrain.modules.generators.base import BYT5_VOCAB, TEXT_DIM, Architecture, TrainingForward
 
-Arch = Literal["wan_t2v", "wan_t2v_causal", "wan_i2v", "wan_vae", "umt5", "t5", "clip", "clip_vision", "qwen2", "flux",
-               "vae_kl"]
+__all__ = ["ARCHITECTURES", "Arch", "PRESETS", "TRAINED_ASSETS", "BYT5_VOCAB", "TEXT_DIM", "architecture", "archs",
+           "causal", "build_model", "build_skeleton", "add_lora", "cast", "tokenizer_of"]
 
-# ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model
-# uses this vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them.
-BYT5_VOCAB = 384
-TEXT_DIM = 32
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # WanTransformer3DModel, 1.2M parameters; patch (1,2,2) on the 4x VAE's latents: a 5x32x32 video is
-    # 2x4x4 = 32 tokens. text_dim matches the UMT5's d_model. Without overrides it loads
-    # TRAINED_ASSETS["wan_t2v"] (scripts/train_world.py), trained jointly with that UMT5.
-    "wan_t2v": dict(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    ),
-    # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict
-    # (``init_from: teacher`` copies the pretrained world's generator into it).
-    "wan_t2v_causal": dict(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    ),
-    # Wan 2.2-style image-to-video (``WanImageToVideoPipeline`` without an image encoder): noisy latent (16)
-    # + first-frame mask (4, the VAE's temporal factor) + image latents (16) channels in. The Wan 2.1 layout
-    # adds ``image_dim`` and ``added_kv_proj_dim`` (a CLIP vision encoder's tokens; see ``clip_vision``).
-    # The world's I2V generator has the world's T2V dimensions (1.2M parameters; it starts from its weights).
-    "wan_i2v": dict(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=36,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    ),
-    # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent
-    # channels, encoder and decoder of width 16 (0.13M parameters). Without overrides it loads
-    # TRAINED_ASSETS["wan_vae"] (scripts/train_vae.py), which is exactly this architecture.
-    "wan_vae": dict(
+def _lm_inputs(config: dict, forward: TrainingForward) -> dict[str, tuple]:
+    return {"input_ids": (forward.rows, forward.text_length)}
+
+
+# The components every generator family may read (each family's own generator is in its file).
+_SHARED: dict[str, Architecture] = {
+    # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent channels,
+    # encoder and decoder of width 16 (0.13M parameters). The shipped asset (scripts/train_vae.py) is exactly this.
+    "wan_vae": Architecture(AutoencoderKLWan, dict(
         base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
         scale_factor_spatial=4, scale_factor_temporal=4,
-    ),
-    "umt5": dict(
+    ), "vae", asset=True),
+    # Wan's text encoder; the shipped asset was trained jointly with the world's Wan generator (scripts/train_world.py)
+    "umt5": Architecture(UMT5EncoderModel, dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         dropout_rate=0.0, relative_attention_num_buckets=8,
-    ),
-    "t5": dict(
+    ), "text_encoder", asset=True),
+    # FLUX's (and SD3's) token encoder; the shipped asset was trained jointly with CLIP and FLUX (scripts/train_flux.py)
+    "t5": Architecture(T5EncoderModel, dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         dropout_rate=0.0, relative_attention_num_buckets=8,
-    ),
+    ), "text_encoder", asset=True),
     # FLUX's pooled text encoder (``CLIPTextModel.pooler_output``: the final hidden state at the first eos).
     # ByT5 ids (eos 1, pad 0); ``max_position_embeddings`` is the tokenizer's ``model_max_length``, which
     # FluxPipeline pads every prompt to.
-    "clip": dict(
+    "clip": Architecture(CLIPTextModel, dict(
         vocab_size=BYT5_VOCAB, hidden_size=TEXT_DIM, intermediate_size=64, projection_dim=TEXT_DIM,
         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64, pad_token_id=0,
         bos_token_id=1, eos_token_id=1,
-    ),
+    ), "text_encoder", asset=True, tokenizer_length_key="max_position_embeddings"),
     # Wan 2.1 I2V's image encoder (``CLIPVisionModel``; the pipeline reads its penultimate hidden states).
-    "clip_vision": dict(
+    "clip_vision": Architecture(CLIPVisionModel, dict(
         hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2, num_attention_heads=2,
         image_size=32, patch_size=8,
-    ),
-    "qwen2": dict(
+    ), "image_encoder"),
+    "qwen2": Architecture(Qwen2ForCausalLM, dict(
         vocab_size=BYT5_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
         attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
         pad_token_id=0,
-    ),
-    # FLUX text-to-image, 0.47M parameters: 2×2 packed latents of the 16-channel VAE in (64), T5 tokens
-    # (joint_attention_dim) and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the
-    # head dim. A 32 px image is 8×8 latents, 16 tokens.
-    "flux": dict(
-        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
-        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
-        axes_dims_rope=(8, 12, 12),
-    ),
-    # AutoencoderKL for FLUX: 4x spatial (three levels; FluxPipeline reads 2^(levels-1) from the config),
-    # 16 latent channels; normalized by (z - shift_factor)·scaling_factor.
-    "vae_kl": dict(
+    ), "lm", layer_keys=("num_hidden_layers",), inputs=_lm_inputs),
+    # AutoencoderKL of the image generators: 4x spatial (three levels; the pipelines read 2^(levels-1) from the
+    # config), 16 latent channels; normalized by (z - shift_factor)·scaling_factor. Asset: scripts/train_flux_vae.py.
+    "vae_kl": Architecture(AutoencoderKL, dict(
         block_out_channels=(16, 32, 32), latent_channels=16, norm_num_groups=8, layers_per_block=1,
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         shift_factor=0.0, scaling_factor=1.0,
-    ),
+    ), "vae", asset=True),
 }
 
-_DIFFUSERS = {
-    "wan_t2v": WanTransformer3DModel, "wan_t2v_causal": CausalWanTransformer3DModel, "wan_i2v": WanTransformer3DModel,
-    "wan_vae": AutoencoderKLWan, "flux": FluxTransformer2DModel, "vae_kl": AutoencoderKL,
-}
-_TRANSFORMERS = {
-    "umt5": (UMT5EncoderModel, UMT5Config), "t5": (T5EncoderModel, T5Config), "clip": (CLIPTextModel, CLIPTextConfig),
-    "clip_vision": (CLIPVisionModel, CLIPVisionConfig),
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-}
-TEXT_ENCODERS = ("umt5", "t5", "clip")
-DIFFUSERS_ARCHS = tuple(_DIFFUSERS)
-# Presets that carry trained weights, made here from the synthetic data (no download) by the scripts
-# named, and loaded through ``from_pretrained`` like any local checkpoint (times on 2 CPU cores):
-# scripts/train_vae.py (the VAE), then scripts/train_world.py (the UMT5 and the Wan generator, jointly).
+
+def _registry(*parts: dict[str, Architecture]) -> dict[str, Architecture]:
+    merged: dict[str, Architecture] = {}
+    for part in parts:
+        clash = sorted(set(merged) & set(part))
+        if clash:
+            raise ValueError(f"arch {clash} is declared twice (modules/presets.py and modules/generators/)")
+        merged.update(part)
+    return merged
+
+
+ARCHITECTURES: dict[str, Architecture] = _registry(_SHARED, _FAMILIES)
+Arch = Literal[tuple(ARCHITECTURES)]  # the `arch:` values a card accepts
+PRESETS: dict[str, dict[str, Any]] = {name: arch.preset for name, arch in ARCHITECTURES.items()}
+TEXT_ENCODERS = tuple(name for name, arch in ARCHITECTURES.items() if arch.kind == "text_encoder")
+DIFFUSERS_ARCHS = tuple(name for name, arch in ARCHITECTURES.items() if issubclass(arch.cls, ModelMixin))
+# Presets that carry trained weights, made here from the synthetic data (no download) by the scripts named at each
+# entry, and loaded through ``from_pretrained`` like any local checkpoint.
 _ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-TRAINED_ASSETS = {arch: os.path.join(_ASSETS, arch) for arch in ("wan_vae", "umt5", "wan_t2v")}
-# The world's text-to-image and image-to-video stages (times on the shared 2-core machine):
-# scripts/train_flux_vae.py (the image VAE, 36 min), scripts/train_flux.py (CLIP + T5 + FLUX jointly),
-# scripts/train_i2v.py (Wan I2V from the world's T2V, with the world's UMT5 and VAE above: the I2V asset was
-# trained in that VAE's latent space and reads that UMT5's states).
-TRAINED_ASSETS.update({arch: os.path.join(_ASSETS, arch) for arch in ("vae_kl", "flux", "clip", "t5", "wan_i2v")
-                       if os.path.isdir(os.path.join(_ASSETS, arch))})
+TRAINED_ASSETS = {name: os.path.join(_ASSETS, name) for name, arch in ARCHITECTURES.items() if arch.asset}
+# The world's pretrained refiner (scripts/train_refiner.py): a ``qwen2`` (Qwen2ForCausalLM, ByT5 bytes) that rewrites a
+# user request into the caption the generator reads. Not a preset's default (a plain ``arch: qwen2`` stays the random
+# tiny LM); a card names it as ``{arch: qwen2, pretrained: modules/assets/refiner}`` (from the repository root).
+REFINER_ASSET = os.path.join(_ASSETS, "refiner")
+
+
+def architecture(arch: str) -> Architecture:
+    """The ``Architecture`` named ``arch``; an unknown name is an error that lists the known ones."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]
+
+
+def archs(kind: str) -> list[str]:
+    """The architecture names of one ``kind`` (``generator``, ``vae``, ``text_encoder``, ``image_encoder``, ``lm``)."""
+    return [name for name, arch in ARCHITECTURES.items() if arch.kind == kind]
+
+
+def causal(arch: str) -> bool:
+    """Whether ``arch`` is a block-causal generator (samples chunk by chunk through a KV cache)."""
+    return arch in ARCHITECTURES and ARCHITECTURES[arch].causal
 
 
 def model_class(arch: str) -> type[torch.nn.Module]:
-    if arch in _DIFFUSERS:
-        return _DIFFUSERS[arch]
-    return _TRANSFORMERS[arch][0]
+    return architecture(arch).cls
 
 
 def check_pretrained(pretrained: str) -> str | None:
@@ -162,46 +148,117 @@ def loads_weights(arch: str, pretrained: str | None = None, preset: dict[str, An
 
 
 def build_model(arch: str, pretrained: str | None = None, subfolder: str | None = None,
-                preset: dict[str, Any] | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """One real model: the tiny preset (with ``preset`` overrides: random weights), its trained asset
-    (``TRAINED_ASSETS``, when there are no overrides), or ``from_pretrained(pretrained)``."""
-    if arch not in PRESETS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(PRESETS)}")
-    if pretrained is not None:
-        kwargs: dict[str, Any] = {"local_files_only": not os.path.isdir(pretrained)}
-        if subfolder:
-            kwargs["subfolder"] = subfolder
-        if dtype not in (None, torch.float32):
-            kwargs["torch_dtype"] = dtype
-        expected = model_class(arch).__name__
-        config_file = os.path.join(pretrained, subfolder or "", "config.json")
-        if os.path.isfile(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                saved = json.load(f)
-            found = saved.get("_class_name")  # diffusers; transformers folders may name a wider class, which loads
-            if found and found != expected:
-                raise ValueError(f"pretrained={pretrained!r}{f' (subfolder {subfolder!r})' if subfolder else ''} holds "
-                                 f"a {found}, but arch {arch!r} is a {expected}: point `pretrained` (and `subfolder`) "
-                                 f"at the {expected} folder")
-        try:
-            return model_class(arch).from_pretrained(pretrained, **kwargs)
-        except (OSError, ValueError, TypeError, RuntimeError) as err:
-            raise ValueError(
-                f"could not load {arch!r} from pretrained={pretrained!r}"
-                f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "
-                f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
-            ) from err
-    if loads_weights(arch, None, preset):
+                preset: dict[str, Any] | None = None, dtype: torch.dtype | None = None, *,
+                weights: Union[Literal["stored", "init"], Mapping[str, torch.Tensor]] = "stored",
+                config: Optional[Mapping[str, Any]] = None, lora: Any = None,
+                device: Optional[str] = None) -> torch.nn.Module:
+    """One real model of ``arch``: the one recipe every model of the package is built by (a card's experts, a
+    ZeRO-3 expert's partitioned build, ``posttrain estimate``'s meta models, ``posttrain export``'s rebuild).
+
+    Its config is ``config`` (a checkpoint's) when given; else that of the folder holding its stored weights
+    (``pretrained`` + ``subfolder``, or the shipped asset of a preset without overrides); else the tiny preset
+    with the ``preset`` overrides.
+
+    Args:
+        weights: ``"stored"``: the folder's weights (``from_pretrained``), random ones for a preset; ``"init"``: as
+            the constructor initialises them, for a caller that fills them itself (``load_weights``; under
+            ``deepspeed.zero.Init`` each process then allocates only its partition); a state dict: loaded after
+            the LoRA adapter, every key matched.
+        dtype: the floating-point weights in ``dtype`` but for the modules the class keeps in float32 (``cast``).
+        lora: attach this LoRA adapter (``rank``, ``alpha``, ``target_modules``: a mapping or an object with
+            those attributes; ``add_lora``).
+        device: ``"meta"``: nothing is read or allocated (shapes and dtypes only).
+    """
+    spec = architecture(arch)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        if weights == "stored" and config is None and device is None and loads_weights(arch, pretrained, preset):
+            model = _from_pretrained(arch, pretrained, subfolder, dtype)
+        else:
+            if config is not None:
+                model = _from_config(spec.cls, {k: v for k, v in config.items() if not k.startswith("_")})
+            elif loads_weights(arch, pretrained, preset):
+                model = _from_config(spec.cls, _folder_config(arch, pretrained, subfolder))
+            else:
+                model = _from_config(spec.cls, {**spec.preset, **(preset or {})}, preset=True)
+            model = cast(model, dtype)
+        if lora is not None:
+            add_lora(model, lora)
+    if isinstance(weights, Mapping):
+        missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"the weights do not fit its class {spec.cls.__name__}: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    return model
+
+
+def _from_pretrained(arch: str, pretrained: str | None, subfolder: str | None,
+                     dtype: torch.dtype | None) -> torch.nn.Module:
+    """``from_pretrained`` of ``pretrained`` (+ ``subfolder``), or of the shipped asset when ``pretrained`` is None."""
+    cls = model_class(arch)
+    if pretrained is None:
         with _no_progress_bar():  # a shipped tiny asset loads in milliseconds; transformers would draw a bar
-            model = model_class(arch).from_pretrained(TRAINED_ASSETS[arch], local_files_only=True)
-        return cast(model, dtype)
-    config = {**PRESETS[arch], **(preset or {})}
-    if arch in _DIFFUSERS:
-        model = _DIFFUSERS[arch](**config)
-    else:
-        cls, config_cls = _TRANSFORMERS[arch]
-        model = cls(config_cls(**config))
-    return cast(model, dtype)
+            return cast(cls.from_pretrained(TRAINED_ASSETS[arch], local_files_only=True), dtype)
+    kwargs: dict[str, Any] = {"local_files_only": not os.path.isdir(pretrained)}
+    if subfolder:
+        kwargs["subfolder"] = subfolder
+    if dtype not in (None, torch.float32):
+        kwargs["torch_dtype"] = dtype
+    _check_class(arch, pretrained, subfolder)
+    try:
+        return cls.from_pretrained(pretrained, **kwargs)
+    except (OSError, ValueError, TypeError, RuntimeError) as err:
+        raise ValueError(
+            f"could not load {arch!r} from pretrained={pretrained!r}"
+            f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "
+            f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
+        ) from err
+
+
+def _check_class(arch: str, pretrained: str, subfolder: str | None) -> None:
+    """A diffusers folder names its class: one that is not ``arch``'s is refused naming both (transformers folders
+    may name a wider class, which loads)."""
+    expected = model_class(arch).__name__
+    config_file = os.path.join(pretrained, subfolder or "", "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            found = json.load(f).get("_class_name")
+        if found and found != expected:
+            raise ValueError(f"pretrained={pretrained!r}{f' (subfolder {subfolder!r})' if subfolder else ''} holds "
+                             f"a {found}, but arch {arch!r} is a {expected}: point `pretrained` (and `subfolder`) "
+                             f"at the {expected} folder")
+
+
+def _folder_config(arch: str, pretrained: str | None, subfolder: str | None):
+    """The config of the folder ``build_model`` reads ``arch``'s stored weights from (no weight is read)."""
+    folder = weights_folder(arch, pretrained, subfolder)
+    if pretrained is not None:
+        _check_class(arch, pretrained, subfolder)
+    cls = model_class(arch)
+    if issubclass(cls, ModelMixin):
+        return cls.load_config(folder)
+    return cls.config_class.from_pretrained(folder)
+
+
+def _from_config(cls: type, config, preset: bool = False) -> torch.nn.Module:
+    """``cls`` built from a config (a dict, or a transformers config object): a preset's keys are the constructor's
+    own; a saved config (a folder's, a checkpoint's) goes through the class's ``from_config``/``from_dict``."""
+    if issubclass(cls, ModelMixin):
+        return cls(**config) if preset else cls.from_config(config)
+    if isinstance(config, Mapping):
+        config = cls.config_class(**config) if preset else cls.config_class.from_dict(dict(config))
+    return cls(config)
+
+
+def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    """Attach a peft LoRA adapter to ``model`` (``lora``: ``rank``, ``alpha``, ``target_modules`` as a mapping or
+    attributes), its base weights frozen: the one place the package attaches one."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    get = lora.get if isinstance(lora, Mapping) else lambda key: getattr(lora, key)
+    model.requires_grad_(False)
+    model.add_adapter(PeftLoraConfig(r=get("rank"), lora_alpha=get("alpha"), target_modules=list(get("target_modules")),
+                                     init_lora_weights=True))
+    return model
 
 
 def weights_folder(arch: str, pretrained: str | None = None, subfolder: str | None = None) -> str:
@@ -218,16 +275,9 @@ def weights_folder(arch: str, pretrained: str | None = None, subfolder: str | No
 
 def build_skeleton(arch: str, pretrained: str | None = None, subfolder: str | None = None,
                    dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The model of a weights folder built from its config alone (weights as the constructor initialises
-    them), for a caller that fills the weights itself (``load_weights``): under ``deepspeed.zero.Init`` each
-    process then allocates only its partition, where ``from_pretrained`` would build the whole model first."""
-    folder = weights_folder(arch, pretrained, subfolder)
-    cls = model_class(arch)
-    if arch in _DIFFUSERS:
-        model = cls.from_config(cls.load_config(folder))
-    else:
-        model = cls(_TRANSFORMERS[arch][1].from_pretrained(folder))
-    return cast(model, dtype)
+    """``build_model(..., weights="init")``: the model of a weights folder built from its config alone, for a caller
+    that fills the weights itself (``load_weights``)."""
+    return build_model(arch, pretrained, subfolder, dtype=dtype, weights="init")
 
 
 def weight_files(folder: str) -> list[str]:
@@ -320,8 +370,17 @@ def build_tokenizer(path: str | None = None, model_max_length: int | None = None
 
 
 def tokenizer_length(arch: str, config: Any) -> int | None:
-    """The ``model_max_length`` a tokenizer built for ``arch`` needs: CLIP pads to its position table."""
-    if arch == "clip":
-        config = config if isinstance(config, dict) else config.to_dict()
-        return int(config["max_position_embeddings"])
-    return None
+    """The ``model_max_length`` a tokenizer built for ``arch`` needs (CLIP pads to its position table), or None."""
+    key = architecture(arch).tokenizer_length_key
+    if key is None:
+        return None
+    config = config if isinstance(config, dict) else config.to_dict()
+    return int(config[key])
+
+
+def tokenizer_of(arch: str, path: str | None, config: Any):
+    """The tokenizer of a text encoder or LM of ``arch`` (``path``: its own folder; None: ``ByT5Tokenizer``) whose
+    model has ``config``; None for an architecture that reads no text."""
+    if not architecture(arch).tokenized:
+        return None
+    return build_tokenizer(path, tokenizer_length(arch, config))

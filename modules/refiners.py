@@ -17,7 +17,9 @@ Losses (METHODS.md, joint_rl; UniRL / PromptRL):
   ``-A`` and its gradient ``-A·∇lp``, REINFORCE with the group advantage A of the sample;
 - k3 KL to the frozen reference ``exp(ref - lp) - (ref - lp) - 1`` (Schulman's unbiased, non-negative
   estimator of KL(π‖π_ref) from samples of π), averaged over the same tokens.
-Everything random takes a ``torch.Generator`` so a resumed run samples the same refinements.
+Everything random takes a ``torch.Generator`` (``rng``) so a resumed run samples the same refinements.
+``refiner_loss`` is a refiner's update (the two losses on one rollout) and ``refiner_c2_gap`` its C2 check,
+shared by joint_rl and workflow_rl.
 """
 from __future__ import annotations
 
@@ -125,7 +127,7 @@ def _forward_log_probs(model: torch.nn.Module, ids: torch.Tensor, attention_mask
 
 
 @torch.no_grad()
-def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], generator: torch.Generator,
+def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], rng: torch.Generator,
                        max_new_tokens: int = 8, temperature: float = 1.0, template: str = DEFAULT_TEMPLATE,
                        vocab: Optional[RefinerVocab] = None) -> Refinements:
     """Sample one refinement per prompt, capturing each token's log-probability.
@@ -155,8 +157,8 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], ge
                     **{cache_kw: cache})
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         lp = _policy_log_probs(out.logits[:, -1], allowed, temperature)  # (B, V)
-        # 2. sample from it with the caller's generator (on its device), keep the token's log-prob
-        token = torch.multinomial(lp.exp().to(generator.device), 1, generator=generator).to(device)[:, 0]
+        # 2. sample from it with the caller's rng (on its device), keep the token's log-prob
+        token = torch.multinomial(lp.exp().to(rng.device), 1, generator=rng).to(device)[:, 0]
         token_lp = lp.gather(1, token[:, None])[:, 0]
         live = ~done
         token = torch.where(live, token, torch.full_like(token, pad_id))
@@ -239,6 +241,27 @@ def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
     per_token = torch.exp(delta) - delta - 1
     per_sample = _masked_mean(per_token, mask)
     return per_sample, {"kl": per_sample.mean().detach()}
+
+
+def refiner_loss(card, name: str, reference: str, sample: Refinements, advantages: torch.Tensor,
+                 temperature: float, kl_weight: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Refiner ``name``'s update loss on its rollout ``sample``: the batch mean of the token policy gradient
+    credited with ``advantages`` (B,) plus ``kl_weight`` × the batch mean of the k3 KL to its frozen
+    ``reference`` (a LoRA's: the refiner with its adapter off), and the metrics ``kl`` and ``tokens``.
+    ``card`` holds both; the refiner's forward carries grad, the reference's none."""
+    log_probs = completion_log_probs(card[name], sample, temperature)  # (B, T), grad
+    with torch.no_grad(), card.use(reference) as frozen:
+        ref_log_probs = completion_log_probs(frozen, sample, temperature)
+    pg, pg_metrics = token_pg_loss(log_probs, advantages, sample.mask)
+    kl, _ = k3_kl(log_probs, ref_log_probs, sample.mask)
+    return pg.mean() + kl_weight * kl.mean(), {"kl": kl.detach().mean(), "tokens": pg_metrics["tokens"]}
+
+
+@torch.no_grad()
+def refiner_c2_gap(model: torch.nn.Module, sample: Refinements, temperature: float) -> torch.Tensor:
+    """max |recomputed − captured token log p| of ``sample`` under ``model``'s current weights: ~0 at the
+    weights it was sampled with (the LM's C2 identity)."""
+    return (completion_log_probs(model, sample, temperature) - sample.log_probs).abs().max()
 
 
 def compose_prompt(prompt: str, refinements: list[str], separator: str = ", ") -> str:

@@ -103,6 +103,33 @@ def term_of(out: RewardOutput, expert: str) -> torch.Tensor:
     return out.terms[matches[0]]
 
 
+def credited_term(out: RewardOutput, name: str, method: str) -> torch.Tensor:
+    """``term_of`` for a method's credit by reward term: a missing term is a ``ValueError`` naming ``method``."""
+    try:
+        return term_of(out, name)
+    except KeyError as err:
+        raise ValueError(f"{method} credit by reward term: {err.args[0]}") from err
+
+
+def term_problems(reward: Any, needed: list[tuple[str, str, str]], media: torch.Tensor, prompts: list[str],
+                  context: Optional[dict[str, Any]] = None) -> list[str]:
+    """Start-up check of credit read from reward terms: score one dry run of ``media`` (shaped as the method's
+    will be) and name each ``(term, option, fix)`` of ``needed`` whose term the reward does not return."""
+    try:
+        out = score(reward, media, prompts, context)
+    except Exception as err:  # noqa: BLE001 - reported as a config problem, with the reward's own message
+        options = ", ".join(dict.fromkeys(option for _, option, _ in needed))
+        return [f"{options}: the reward failed on a dry run ({type(err).__name__}: {err})"]
+    problems = []
+    for term, option, fix in needed:
+        try:
+            term_of(out, term)
+        except KeyError:
+            problems.append(f"{option} needs a reward term for {term!r}, but the reward's terms are "
+                            f"{sorted(out.terms)}: {fix}")
+    return problems
+
+
 def prompts_for_scoring(prompts: list[str], context: Optional[dict[str, Any]]) -> list[str]:
     """What a media reward compares against: the user's original prompt when a method refined it."""
     if context and context.get("original_prompts") is not None:
@@ -180,8 +207,15 @@ class SyntheticGenEvalReward(Reward):
             raise ValueError(f"SyntheticGenEvalReward: total={total!r}; choose 'mean' or 'all'")
         self.total, self.min_motion = total, min_motion
 
+    def verdicts(self, media, prompts, context=None) -> dict[str, torch.Tensor]:
+        """``{fact: (B,)}``: 1 shown, 0 not, NaN not asked (``geneval.judge`` of the prompts scored)."""
+        return judge(media.detach(), prompts_for_scoring(prompts, context), self.min_motion)
+
     def __call__(self, media, prompts, context=None) -> RewardOutput:
-        verdicts = judge(media.detach(), prompts_for_scoring(prompts, context), self.min_motion)
+        return self.combine(self.verdicts(media, prompts, context))
+
+    def combine(self, verdicts: dict[str, torch.Tensor]) -> RewardOutput:
+        """The total (``mean`` of the facts asked, or ``all`` shown) and one term per fact (0 where not asked)."""
         table = torch.stack(list(verdicts.values()), dim=1)  # (B, 4): 1 shown, 0 not, NaN not asked
         asked = ~table.isnan()
         if self.total == "mean":

@@ -18,7 +18,7 @@ folder run by ``WanPipeline`` reproduces ``predict`` from the same noise.
   shift, e.g. [1, .75, .5, .25]), handed to ``scheduler.set_timesteps(sigmas=...)``, which shifts it as
   it shifts its own grid. Their step is the re-noise rule of the anchors, ``x_next = (1-σ')·x̂0 + σ'·ε``
   with fresh ε (``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``'s ``step``, computed here
-  in float32 from the call's generator). ``exit_step=k`` stops at step k and returns its x̂0 = x - σ_k·v:
+  in float32 from the call's ``rng``). ``exit_step=k`` stops at step k and returns its x̂0 = x - σ_k·v:
   steps before k run under ``no_grad``, step k keeps the caller's grad (DMD2's backward simulation,
   Self-Forcing's exit step).
 - Block-causal students (Self-Forcing): ``chunk_frames`` latent frames at a time, each chunk denoised
@@ -97,7 +97,7 @@ class SDEStep:
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
              sigma_cap: float, x_next: Optional[torch.Tensor] = None,
-             generator: Optional[torch.Generator] = None) -> SDEStep:
+             rng: Optional[torch.Generator] = None) -> SDEStep:
     """One Flow-GRPO SDE step. With ``x_next`` given, only its log-probability is computed (PPO recompute)."""
     sigma = sigma.float().to(x.device)
     sigma_next = sigma_next.float().to(x.device)
@@ -105,7 +105,7 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     mean = sde_mean(x, v, sigma, sigma_next, std)
     scale = std * torch.sqrt(sigma - sigma_next)
     if x_next is None:
-        noise = torch.randn(mean.shape, generator=generator, device="cpu" if generator is None else generator.device)
+        noise = torch.randn(mean.shape, generator=rng, device="cpu" if rng is None else rng.device)
         x_next = mean + _bcast(scale, mean) * noise.to(mean.device)
     return SDEStep(x_next=x_next, log_prob=gaussian_log_prob(x_next, mean, scale), mean=mean, std=std)
 
@@ -122,14 +122,14 @@ def ml_velocity(x: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next, noise_
 
 
 def renoise_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                 rng: Optional[torch.Generator] = None) -> torch.Tensor:
     """The few-step students' step (DMD2, Self-Forcing): x̂0 = x - σ·v, then ``x_next = (1-σ')·x̂0 + σ'·ε``
     with fresh ε — ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True).step``, in float32. At σ' = 0
     it is x̂0 and draws nothing."""
     x0 = x.float() - _bcast(sigma, x) * v.float()
     if float(sigma_next) == 0.0:
         return x0
-    noise = torch.randn(x0.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    noise = torch.randn(x0.shape, generator=rng, device="cpu" if rng is None else rng.device)
     return (1 - _bcast(sigma_next, x0)) * x0 + _bcast(sigma_next, x0) * noise.to(x0.device)
 
 
@@ -179,7 +179,9 @@ class FlowMatchSampler:
         num_steps: denoising steps (``num_inference_steps`` of the pipelines).
         scheduler: a diffusers flow-matching scheduler; None = ``FlowMatchEulerDiscreteScheduler(shift=3.0)``.
             Its config (``shift``, …) is what export writes into ``scheduler/``.
-        guidance_scale: classifier-free guidance; 1 disables the unconditional pass.
+        guidance_scale: classifier-free guidance; 1 disables the unconditional pass. Every call of this sampler
+            (serving, a rollout and its recompute) guides with it: a role that guides otherwise has its own
+            sampler (a method's ``rollout_sampler``, ``teacher_sampler``).
         noise_level: the SDE's ``a`` (Flow-GRPO anchor 0.7).
         sde_window: ``(start, end)`` step indices that are stochastic in an SDE rollout; None = all.
         step_sigmas: a few-step student's step list, σ of each step before the scheduler's flow shift
@@ -273,10 +275,9 @@ class FlowMatchSampler:
             scheduler.set_begin_index(0)
         return Schedule(sigmas=sigmas, timesteps=timesteps, scheduler=scheduler)
 
-    def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None,
-                 guidance_scale: Optional[float] = None) -> torch.Tensor:
+    def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None) -> torch.Tensor:
         """Guided float32 velocity; the conditional and unconditional passes share one batched forward."""
-        g = self.guidance_scale if guidance_scale is None else guidance_scale
+        g = self.guidance_scale
         t = timestep.expand(x.shape[0]).to(x.device)
         if uncond is None or g == 1.0:
             return model(x, t, cond).float()
@@ -291,13 +292,12 @@ class FlowMatchSampler:
         return mask
 
     def sample(self, model: VelocityFn, noise: torch.Tensor, cond, uncond=None, sde: bool = False,
-               capture: bool = False, generator: Optional[torch.Generator] = None,
-               guidance_scale: Optional[float] = None, schedule: Optional[Schedule] = None,
+               capture: bool = False, rng: Optional[torch.Generator] = None, schedule: Optional[Schedule] = None,
                exit_step: Optional[int] = None, kv_cache: Any = None) -> Trajectory:
         """Denoise ``noise`` (B, C, F, H, W) from σ = 1 to 0. ``sde=True`` is the RL rollout.
 
         ``schedule`` is the prepared grid (the generator adapter's ``schedule``); None = this sampler's
-        plain ``schedule()``. ``generator`` draws the SDE noise and the re-noise rule's fresh noise.
+        plain ``schedule()``. ``rng`` draws the SDE noise and the re-noise rule's fresh noise.
         ``exit_step=k``: stop at step k and return its x̂0 (steps before k under ``no_grad``, step k with the
         caller's grad). With ``chunk_frames`` set, ``kv_cache`` is the causal model's empty cache (the
         generator stage makes one) and ``model`` takes ``kv_cache``/``update_cache`` keywords.
@@ -312,8 +312,7 @@ class FlowMatchSampler:
             raise ValueError("sampler: exit_step returns one x̂0 with grad; it does not combine with sde/capture")
         schedule = schedule or self.schedule(noise.device)
         if self.chunk_frames is None:
-            return self._denoise(model, noise, cond, uncond, sde, capture, generator, guidance_scale, schedule,
-                                 exit_step)
+            return self._denoise(model, noise, cond, uncond, sde, capture, rng, schedule, exit_step)
 
         # Block-causal: chunk by chunk, each attending to the finished chunks through the KV cache
         # (Self-Forcing ``pipeline/self_forcing_training.py``; CausVid's ``inference.py``).
@@ -326,15 +325,14 @@ class FlowMatchSampler:
         if kv_cache is None:
             raise ValueError(f"sampler: chunk_frames={n} needs the causal model's kv_cache (GeneratorStage.sample "
                              f"makes one)")
-        g = self.guidance_scale if guidance_scale is None else guidance_scale
         chunks = []
         for start in range(0, num_frames, n):
             # 1. denoise this chunk's noise through the step list; the cache is read, not written
             def reader(x, t, c):
                 return model(x, t, c, kv_cache=kv_cache)
 
-            chunk = self._denoise(reader, noise[:, :, start:start + n], cond, uncond, False, False, generator,
-                                  guidance_scale, schedule, exit_step).latents
+            chunk = self._denoise(reader, noise[:, :, start:start + n], cond, uncond, False, False, rng, schedule,
+                                  exit_step).latents
             chunks.append(chunk)
             # 2. the finished chunk, re-run at σ = 0 without grad, stores its keys/values for the next chunks
             if start + n < num_frames:
@@ -342,13 +340,12 @@ class FlowMatchSampler:
                     return model(x, t, c, kv_cache=kv_cache, update_cache=True)
 
                 with torch.no_grad():
-                    self.velocity(writer, chunk.detach(), torch.zeros((), device=chunk.device), cond, uncond, g)
+                    self.velocity(writer, chunk.detach(), torch.zeros((), device=chunk.device), cond, uncond)
         return Trajectory(latents=torch.cat(chunks, dim=2), sigmas=schedule.sigmas, timesteps=schedule.timesteps,
                           sde_mask=torch.zeros(self.num_steps, dtype=torch.bool), sigma_cap=schedule.sigma_cap)
 
     def _denoise(self, model: VelocityFn, noise: torch.Tensor, cond, uncond, sde: bool, capture: bool,
-                 generator: Optional[torch.Generator], guidance_scale: Optional[float], schedule: Schedule,
-                 exit_step: Optional[int]) -> Trajectory:
+                 rng: Optional[torch.Generator], schedule: Schedule, exit_step: Optional[int]) -> Trajectory:
         """The step loop over ``schedule`` (one chunk, or the whole video)."""
         sigmas, timesteps = schedule.sigmas, schedule.timesteps
         sde_mask = self.sde_steps() if sde else torch.zeros(self.num_steps, dtype=torch.bool)
@@ -360,20 +357,20 @@ class FlowMatchSampler:
             # steps before the exit step carry no grad (DMD2 backward simulation, Self-Forcing)
             with torch.no_grad() if i < last and exit_step is not None else contextlib.nullcontext():
                 # 1. velocity at (x, t_i), guided
-                v = self.velocity(model, x, timesteps[i], cond, uncond, guidance_scale)
+                v = self.velocity(model, x, timesteps[i], cond, uncond)
                 if i == exit_step:  # 2'. the exit step returns its x̂0 = x - σ·v (with grad)
                     x = x - _bcast(sigma, x) * v
                     break
                 # 2. move to σ_next: SDE step with its log-probability, or the ODE / re-noise step
                 if sde_mask[i]:
                     step = sde_step(x, v, sigma, sigma_next, self.noise_level, schedule.sigma_cap,
-                                    generator=generator)
+                                    rng=rng)
                     x, lp = step.x_next, step.log_prob
                 else:
                     if self.euler:
                         x = x + (sigma_next - sigma) * v  # = FlowMatchEulerDiscreteScheduler.step, in float32
                     elif self.renoise:
-                        x = renoise_step(x, v, sigma, sigma_next, generator)
+                        x = renoise_step(x, v, sigma, sigma_next, rng)
                     else:
                         x = schedule.scheduler.step(v, timesteps[i], x, return_dict=False)[0].float()
                     lp = torch.zeros(x.shape[0], device=x.device)
@@ -388,7 +385,7 @@ class FlowMatchSampler:
         )
 
     def step_log_prob(self, model: VelocityFn, traj: Trajectory, i: int, cond, uncond=None,
-                      index: Optional[torch.Tensor] = None, guidance_scale: Optional[float] = None) -> SDEStep:
+                      index: Optional[torch.Tensor] = None) -> SDEStep:
         """Recompute step ``i``'s log p of the stored transition under the current weights (with grad).
 
         ``cond``/``uncond`` are of the rows selected by ``index`` (a subset of the batch). At the
@@ -399,5 +396,5 @@ class FlowMatchSampler:
         x, x_next = traj.xs[i], traj.xs[i + 1]
         if index is not None:
             x, x_next = x[index], x_next[index]
-        v = self.velocity(model, x, traj.timesteps[i], cond, uncond, guidance_scale)
+        v = self.velocity(model, x, traj.timesteps[i], cond, uncond)
         return sde_step(x, v, traj.sigmas[i], traj.sigmas[i + 1], self.noise_level, traj.sigma_cap, x_next=x_next)

@@ -53,7 +53,6 @@ def decode(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
 
 def scale_factors(vae: torch.nn.Module) -> tuple[int, int]:
     """(temporal, spatial) compression of a VAE, from its config (as the diffusers pipelines read it)."""
-    vae = vae.module if type(vae).__name__ == "DeepSpeedEngine" else vae
     if isinstance(vae, AutoencoderKLWan):
         return int(vae.config.scale_factor_temporal), int(vae.config.scale_factor_spatial)
     return 1, 2 ** (len(vae.config.block_out_channels) - 1)
@@ -74,6 +73,6 @@ def latent_shape(vae: torch.nn.Module, frames: int, height: int, width: int, pat
                             f"{f' × patch {p}' if p > 1 else ''}); e.g. {max(1, -(-value // (spatial * p))) * spatial * p}")
     if problems:
         raise ValueError("video size: " + "; ".join(problems))
-    config = (vae.module if type(vae).__name__ == "DeepSpeedEngine" else vae).config
+    config = vae.config
     channels = config.z_dim if isinstance(vae, AutoencoderKLWan) else config.latent_channels
     return channels, (frames - 1) // temporal + 1, height // spatial, width // spatial

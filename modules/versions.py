@@ -33,7 +33,7 @@ class SyncPlan:
         if source_version % self.every:
             return False
         d = float(self.decay(source_version))
-        source, target = _unwrap(card[self.source]), _unwrap(card[self.target])
+        source, target = card[self.source], card[self.target]
         # (target, source) tensors by name: parameters, then floating-point buffers
         src = dict(source.named_parameters())
         pairs = [(p, src[name]) for name, p in target.named_parameters()]
@@ -47,11 +47,6 @@ class SyncPlan:
                 torch._foreach_lerp_([t for t, _ in pairs], [s if s.dtype == t.dtype else s.to(t.dtype)
                                                              for t, s in pairs], 1.0 - d)
         return True
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DeepSpeed engine (``lit.engine.strategy`` puts engines on the card)."""
-    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 def _gathered(params: list[torch.nn.Parameter], modifier: bool = False):

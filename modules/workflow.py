@@ -18,7 +18,8 @@ learn about workflows. A refiner stage names refiner experts of the same card (`
 
 ``Stage`` is the configuration (LightningCLI reads a list of them); ``WorkflowPlan`` binds them to a card,
 checks that every stage can feed the next (all problems in one message), and serves the chain (``serve``)
-through each stage's own sampler, the same sampler its RL rollouts use.
+through each stage's own sampler (workflow_rl rolls a stage out with its ``rollout_sampler``, by default the
+same one).
 """
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ class Stage:
         name: the stage's name; a generator stage runs the card's ``<name>_transformer``, ``<name>_vae`` and
             ``<name>_text_encoder`` (``_2``) experts.
         kind: ``generator`` (text [+ image] → image or video) or ``refiners`` (text → text).
-        sampler: the generator's sampler (steps, scheduler, CFG, SDE noise level): what it serves with
-            and, in workflow_rl, rolls out with; None = ``FlowMatchSampler()``.
+        sampler: the generator's serving sampler (steps, scheduler, CFG); None = ``FlowMatchSampler()``.
+        rollout_sampler: what workflow_rl rolls this stage out with (its SDE step, CFG, noise level) and
+            recomputes the rollout with; None = ``sampler`` (train ≡ serve).
         frames, height, width: what the generator makes (``frames: 1``: an image).
-        embedded_guidance: the guidance value a guidance-distilled generator embeds (FLUX-dev).
+        embedded_guidance: the guidance value a guidance-distilled generator embeds (FLUX-dev); None = the
+            adapter's default.
         refiners: a refiner stage's LM experts, in composition order; None = all of the card's refiners.
         max_new_tokens, temperature, template: how a refiner stage samples (as joint_rl).
         trainable: workflow_rl trains this stage; false freezes it (ODE rollout, no optimizer, its
@@ -56,10 +59,11 @@ class Stage:
     name: str
     kind: Literal["generator", "refiners"] = "generator"
     sampler: Optional[FlowMatchSampler] = None
+    rollout_sampler: Optional[FlowMatchSampler] = None
     frames: int = 1
     height: int = 32
     width: int = 32
-    embedded_guidance: float = 3.5
+    embedded_guidance: Optional[float] = None
     refiners: Optional[list[str]] = None
     max_new_tokens: int = 8
     temperature: float = 1.0
@@ -69,6 +73,7 @@ class Stage:
 
     def __post_init__(self):
         self.sampler = self.sampler or FlowMatchSampler()
+        self.rollout_sampler = self.rollout_sampler or self.sampler
 
     @property
     def size(self) -> VideoSize:
@@ -169,27 +174,28 @@ class WorkflowPlan:
     @torch.no_grad()
     def serve(self, prompts: list[str], seeds: dict[str, int], device: Optional[torch.device] = None,
               names: Optional[dict[str, str]] = None) -> dict[str, StageOutput]:
-        """Run the chain on ``prompts``: refiner stages sample from a generator seeded ``seeds[name]``,
+        """Run the chain on ``prompts``: refiner stages sample from an rng seeded ``seeds[name]``,
         generator stages ODE-sample (their sampler, CFG included) from ``torch.randn`` noise of that seed,
         the image-to-video stages on the previous stage's images. ``names`` maps a stage to the component
         that serves it (an EMA copy); default its transformer."""
         outputs: dict[str, StageOutput] = {}
         text, media = list(prompts), None
         for stage in self.stages:
-            generator = torch.Generator().manual_seed(seeds[stage.name])
+            rng = torch.Generator().manual_seed(seeds[stage.name])
             if stage.kind == "refiners":
-                refinements = {name: sample_refinements(self.card[name], self.card.tokenizers[name], text, generator,
+                refinements = {name: sample_refinements(self.card[name], self.card.tokenizers[name], text, rng,
                                                         stage.max_new_tokens, stage.temperature,
                                                         stage.template).texts
                                for name in self.refiners_of(stage)}
                 text = [compose_prompt(p, [refinements[n][b] for n in refinements]) for b, p in enumerate(text)]
                 outputs[stage.name] = StageOutput(text, refinements=refinements)
                 continue
-            gen = self.generators[stage.name]
-            noise = torch.randn((len(text), *gen.latent_shape(stage.size)), generator=generator).to(device)
-            images = media[:, :, 0] if gen.takes_image else None
-            cond, uncond = gen.conditioning(text, stage.sampler.guidance_scale, device, images=images, size=stage.size)
-            latents = gen.sample(stage.sampler, noise, cond, uncond, name=(names or {}).get(stage.name)).latents
-            media = gen.decode(latents)
+            generator = self.generators[stage.name]
+            noise = torch.randn((len(text), *generator.latent_shape(stage.size)), generator=rng).to(device)
+            images = media[:, :, 0] if generator.takes_image else None
+            cond, uncond = generator.conditioning(text, stage.sampler.guidance_scale, device, images=images,
+                                                  size=stage.size)
+            latents = generator.sample(stage.sampler, noise, cond, uncond, name=(names or {}).get(stage.name)).latents
+            media = generator.decode(latents)
             outputs[stage.name] = StageOutput(list(text), media=media)
         return outputs

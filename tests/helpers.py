@@ -60,6 +60,22 @@ class KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+# quantities of one expert: always logged as train/<quantity>/<expert>, never bare
+PER_EXPERT = {"loss", "kl", "policy_loss", "ppo_ratio_mean", "clip_frac", "approx_kl", "kept_samples", "tokens",
+              "positive_loss", "negative_loss", "decay", "dmd_grad_abs", "dmd_normalizer", "grad_norm", "lr", "version",
+              "nan_skipped"}
+
+
+def assert_one_metric_scheme(metrics, card: ModelCard) -> None:
+    """Every per-expert training metric is ``train/<quantity>/<expert>`` with a component of ``card``."""
+    components = set(card.models) | set(card.roles)
+    per_expert = [key.split("/") for key in metrics if key.split("/")[:1] == ["train"]
+                  and key.split("/")[1] in PER_EXPERT]
+    assert per_expert, sorted(metrics)
+    for parts in per_expert:
+        assert len(parts) == 3 and parts[2] in components, "/".join(parts)
+
+
 def quick_trainer(max_steps: int, **kwargs) -> Trainer:
     defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -136,7 +136,7 @@ def checkpoint_contents(folder: str) -> dict[str, Any]:
     for rel in checkpoints.files_under(os.path.realpath(folder)):
         path = os.path.join(os.path.realpath(folder), rel)
         if rel.endswith(".pt"):
-            contents[rel] = checkpoints.load_state(path)
+            contents[rel] = checkpoints.load_state(path, deepspeed=rel != checkpoints.STATE)  # ZeRO shards
         elif rel != checkpoints.MANIFEST and not rel.endswith(".py"):
             with open(path) as f:
                 contents[rel] = f.read()

@@ -7,10 +7,11 @@ folder so that YAML ``class_path: helpers_strategy.…`` resolves in both proces
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
@@ -64,12 +65,24 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
     return path
 
 
-def fit(config_path: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def fit(config_path: str, *args: str, timeout: int = 240,
+        preexec_fn: Optional[Callable[[], None]] = None) -> subprocess.CompletedProcess:
     """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+
+
+def file_size_limit(max_bytes: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the command (and the processes it starts, which inherit the limit) cannot grow a file
+    beyond ``max_bytes``; a write past it fails with EFBIG part-way, as on a full disk (SIGXFSZ ignored: the
+    process gets the error instead of being killed)."""
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return limit
 
 
 def weights(ckpt: str, component: str) -> dict[str, torch.Tensor]:

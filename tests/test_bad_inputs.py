@@ -42,6 +42,20 @@ def world(tmp_path_factory):
         (files / "bad_captions" / f"v{i}.txt").write_text("a red circle")
     (files / "bad_captions" / "v1.txt").write_bytes(b"\xff\xfe a caption \x80")
     (files / "empty.txt").write_text("\n\n")
+    (files / "bad_mp4").mkdir()  # a video that is not one: ffmpeg's error comes with its banner and build flags
+    (files / "bad_mp4" / "clip.mp4").write_bytes(b"\x00\x01 not really a video" * 10)
+    (files / "bad_mp4" / "clip.txt").write_text("a red circle")
+    (files / "empty_png").mkdir()
+    (files / "empty_png" / "still.png").write_bytes(b"")
+    for folder in ("bad_mp4", "empty_png"):  # and a readable item beside it (the shipped val_fraction holds one out)
+        Image.new("RGB", (32, 32)).save(files / folder / "good.png")
+        (files / folder / "good.txt").write_text("a blue square")
+    (files / "empty_png" / "still.txt").write_text("a red circle")
+    (files / "bad_metadata").mkdir()
+    Image.new("RGB", (32, 32)).save(files / "bad_metadata" / "a.png")
+    (files / "bad_metadata" / "metadata.jsonl").write_text('{"file": "a.png", "caption": "a red circle"}\n'
+                                                           "{file: 'a.png', caption: 'a blue square'}\n")
+    (files / "bad.jsonl").write_text('{"prompt": "a red circle"}\n{prompt: "a blue square"}\n')
     (files / "typo.yaml").write_text("modle:\n  class_path: Finetune\n")
     (files / "syntax.yaml").write_text("trainer:\n  max_steps: [1\n")
     (files / "out_used").mkdir()
@@ -95,6 +109,22 @@ CASES = [
      ["empty_folder", "holds no media", "put videos or images there"]),
     ("caption not UTF-8", "fit", "finetune_folder.yaml", ["--data.init_args.root={files}/bad_captions"],
      ["v1.txt", "not UTF-8", "save it as UTF-8"]),
+    ("corrupt video in a folder", "fit", "finetune_folder.yaml",
+     ["--data.init_args.root={files}/bad_mp4", "--data.init_args.repeat_images=true",
+      "--data.init_args.latents_cache={files}/latents"],
+     ["clip.mp4: cannot read this media file", "Invalid data", "re-encode its source", "or remove it"]),
+    ("zero-byte image in a folder", "fit", "finetune_folder.yaml",
+     ["--data.init_args.root={files}/empty_png", "--data.init_args.repeat_images=true",
+      "--data.init_args.latents_cache=null"],
+     ["still.png: cannot read this media file", "empty: 0 bytes", "readable PNG or JPEG", "or remove it"]),
+    ("metadata line not JSON", "fit", "finetune_folder.yaml", ["--data.init_args.root={files}/bad_metadata"],
+     ["metadata.jsonl:2: not valid JSON", 'one JSON object', '{"file": "clips/a.mp4", "caption": "']),
+    ("prompts line not JSON", "fit", G, ["--data.init_args.path={files}/bad.jsonl"],
+     ["bad.jsonl:2: not valid JSON", "one JSON object", '{"prompt": "', "one prompt per line"]),
+    ("predict with no inline prompts", "predict", G, ["--data.init_args.prompts=[]"],
+     ["inline `prompts` list is empty", "--data.init_args.prompts='[", "path: prompts.txt", "synthetic captions"]),
+    ("data size beside the run's", "fit", F, ["--data.init_args.frames=9"],
+     ["data.init_args.frames=9 but model.init_args.run.frames=5", "set once", "drop data.init_args.frames"]),
     ("empty prompts file", "fit", G, ["--data.init_args.path={files}/empty.txt"], ["empty.txt", "holds no prompts", "one prompt per line"]),
     ("missing prompts file", "fit", G, ["--data.init_args.path={files}/none.txt"], ["none.txt", "does not exist", "leave it null"]),
     ("sampler without steps", "fit", F, [M + "sampler.init_args.num_steps=0"], ["num_steps=0", "must be >= 1", "e.g. 20"]),
@@ -102,8 +132,8 @@ CASES = [
     ("non-positive shift", "fit", F, [M + "sampler.init_args.scheduler.init_args.shift=-3"], ["shift=-3", "> 0"]),
     ("EMA decay above 1", "fit", F, [M + "ema_decay=1.5"], ["ema_decay=1.5", "null turns EMA off"]),
     ("caption dropout above 1", "fit", F, [M + "caption_dropout=2"], ["caption_dropout=2", "e.g. 0.1"]),
-    ("GRPO group of one", "fit", G, [M + "num_samples_per_prompt=1"], ["num_samples_per_prompt=1", "uses 8 to 24"]),
-    ("negative clip range", "fit", G, [M + "clip_range=-0.1"], ["clip_range=-0.1", "the default is 1e-3"]),
+    ("GRPO group of one", "fit", G, [M + "grpo.num_samples_per_prompt=1"], ["grpo.num_samples_per_prompt=1", "uses 8 to 24"]),
+    ("negative clip range", "fit", G, [M + "grpo.clip_range=-0.1"], ["grpo.clip_range=-0.1", "the default is 1e-3"]),
     ("unknown reward class", "fit", G, [M + "reward.class_path=NoSuchReward"], ["NoSuchReward", "full import path"]),
     ("validate a missing checkpoint", "validate", F, ["--ckpt_path", "{files}/nope.ckpt"], ["nope.ckpt", "does not exist", "--ckpt_path last"]),
     ("export a missing checkpoint", "export", None, ["--ckpt", "{files}/nope.ckpt", "--out", "{files}/o1"],

@@ -157,7 +157,7 @@ def test_skipped_logs_change_nothing_a_logger_gets(monkeypatch, one_thread):
     rows_all, calls_all, final_all = finetune_logged(monkeypatch, gate=False)
     assert [step for step, _ in rows_all] == [4, 9]  # Lightning's steps are 0-based
     assert rows == rows_all
-    assert "train/loss" in rows[0][1] and "train/version/transformer_ema" in rows[0][1]
+    assert "train/loss/transformer" in rows[0][1] and "train/version/transformer_ema" in rows[0][1]
     assert rows[0][1]["train/sporadic"] == 2.0 and rows[1][1]["train/sporadic"] == 7.0
     assert final == final_all and final["train/version/transformer"] == 12.0
     per_iteration = (len(calls_all) - 2) / 12
@@ -170,7 +170,7 @@ def test_logs_outside_training_steps_are_never_skipped(monkeypatch, one_thread):
     module = Finetune(wan_card(), ema_decay=None)
     trainer = quick_trainer(max_steps=3, log_every_n_steps=50, limit_val_batches=1, val_check_interval=3)
     trainer.fit(module, SyntheticVideos(num_samples=16, val_samples=4, batch_size=2))
-    assert "val/loss" in trainer.callback_metrics and "train/loss" in trainer.callback_metrics
+    assert "val/loss" in trainer.callback_metrics and "train/loss/transformer" in trainer.callback_metrics
 
 
 # ---------------------------------------------------------------------- sync plans
@@ -228,6 +228,13 @@ def test_distill_bench_runs():
     out = run_bench("bench/distill.py", "--steps", "2", "--prompts", "8", "--batch", "4", "--blocks", "1")
     assert "time student/teacher" in out
     assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
+
+
+def test_reward_server_bench_runs():
+    out = run_bench("bench/reward_server.py", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
+                    "--per-block", "1", "--iterations", "1")
+    assert "remote/local time per batch (wall)" in out and "videos/s" in out
+    assert "of which waiting on the reward server" in out
 
 
 def test_gpu_bench_tiny_runs_every_part(tmp_path):

@@ -246,13 +246,13 @@ def payload_checkpoint(path, marker: str, folder: bool, sharded: bool = False) -
     return str(path)
 
 
-def cli_config(tmp_path) -> str:
+def cli_config(tmp_path, **checkpoint_args) -> str:
     with open(os.path.join(ROOT, "configs", "finetune.yaml")) as f:
         config = yaml.safe_load(f)
     config["trainer"].update(max_steps=2, logger=False, enable_progress_bar=False, limit_val_batches=1,
                              default_root_dir=str(tmp_path / "run"), val_check_interval=None)
     config["trainer"]["callbacks"] = [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
-                                       "init_args": {"dirpath": str(tmp_path / "run" / "ckpt")}}]
+                                       "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"), **checkpoint_args}}]
     config["model"]["init_args"]["run"] = dict(SIZE)
     config["data"]["init_args"].update(num_samples=4, val_samples=2, batch_size=2)
     path = tmp_path / "config.yaml"
@@ -272,17 +272,111 @@ def test_payload_checkpoint_never_runs_code(tmp_path, capsys, command, kind):
     else:
         args = [command, "--config", cli_config(tmp_path), "--ckpt_path", path]
     unverifiable = pytest.warns(UserWarning, match="a single-file checkpoint without a manifest") \
-        if (command, kind) == ("export", "file") else contextlib.nullcontext()
+        if kind == "file" else contextlib.nullcontext()
     with unverifiable, pytest.raises(SystemExit):
         main(args)
     assert not os.path.exists(marker), f"{command} ran code from a {kind} checkpoint"
     message = capsys.readouterr().err
     assert message.startswith(f"posttrain {command}: error:") and "\x1b" not in message, message
-    if kind == "file" and command != "export":
-        # LightningCLI itself reads a single-file ckpt_path first (weights only) for hyper-parameters
-        assert "Weights only load failed" in message, message
+    # in the package's words, whoever reads the file (LightningCLI no longer reads a single file itself): refused,
+    # why, and never torch's advice to load with weights_only=False
+    assert "refused to unpickle" in message and "evil.ckpt" in message and "`io.open`" in message, message
+    assert "weights_only" not in message and "Weights only load failed" not in message, message
+    assert len(message.splitlines()) <= 3, message
+
+
+# ---------------------------------------------------------------------- one verified loader
+def damage(folder, what: str) -> str:
+    """Damage checkpoint ``folder`` in place — its manifest torn (``torn``), its entries without their hashes
+    (``manifest``: still JSON), or its state file changed (``file``: bytes flipped, size kept) — and return the
+    name the refusal must carry."""
+    manifest = folder / ckpt.MANIFEST
+    if what == "torn":
+        text = manifest.read_text()
+        manifest.write_text(text[: len(text) // 2])
+    elif what == "manifest":
+        entries = json.loads(manifest.read_text())
+        for entry in entries["files"].values():
+            del entry[entries["hash"]]
+        manifest.write_text(json.dumps(entries))
     else:
-        assert "refused to unpickle" in message and "evil.ckpt" in message, message
+        flip(str(folder / ckpt.STATE))
+        return ckpt.STATE
+    return ckpt.MANIFEST
+
+
+@pytest.mark.parametrize("what", ["manifest", "file"])
+def test_every_entry_point_refuses_a_damaged_checkpoint_naming_the_file(run, tmp_path, capsys, monkeypatch, what):
+    """A damaged manifest (entries without their hashes), or a changed file, in a real checkpoint folder: resume
+    (``fit --ckpt_path``), ``validate``, ``predict``, ``export`` and the W&B run-id lookup each stop in one message
+    naming the file. (A torn manifest is refused by the same loader, below.)"""
+    from posttrain.lit.tools.cli import main
+
+    folder = copy_run(run, tmp_path) / "epoch=1-step=6.ckpt"
+    name = damage(folder, what)
+    config = cli_config(tmp_path)
+    with open(config) as f:
+        tracked = yaml.safe_load(f)
+    tracked["trainer"]["logger"] = {"class_path": "posttrain.lit.tools.tracking.WandbLogger"}
+    (tmp_path / "tracked.yaml").write_text(yaml.safe_dump(tracked))
+    commands = {"resume": ["fit", "--config", config, "--ckpt_path", str(folder)],
+                "validate": ["validate", "--config", config, "--ckpt_path", str(folder)],
+                "predict": ["predict", "--config", config, "--ckpt_path", str(folder)],
+                "export": ["export", "--ckpt", str(folder), "--out", str(tmp_path / "out")],
+                # the W&B run id is looked up while the config is read, before any trainer or W&B run exists
+                "run-id": ["fit", "--config", str(tmp_path / "tracked.yaml"), "--ckpt_path", str(folder)]}
+    for entry, args in commands.items():
+        with monkeypatch.context() as patch:
+            if entry == "run-id":  # refused by the lookup itself: the resume's loader is never reached
+                patch.setattr(ckpt, "load", lambda *_, **__: pytest.fail("the run-id lookup read the checkpoint"))
+            with pytest.raises(SystemExit):
+                main(args)
+        message = capsys.readouterr().err
+        assert message.startswith(f"posttrain {args[0]}: error: ") and f"{name}:" in message, (entry, message)
+        assert len(message.splitlines()) <= 3, (entry, message)
+    with pytest.raises(ckpt.CheckpointError, match=name):
+        ckpt.wandb_run_id(str(folder))
+    assert not (tmp_path / "out").exists()
+    if what == "manifest":
+        damage(folder, "torn")
+        with pytest.raises(ckpt.CheckpointError, match=r"manifest.json: corrupt manifest \("):
+            ckpt.load(str(folder))
+
+
+# ---------------------------------------------------------------------- a real full disk
+def test_a_write_that_fails_part_way_removes_its_folder_and_names_the_fix(tmp_path):
+    """``posttrain fit`` resumed under a file-size limit smaller than a checkpoint: the next checkpoint's write fails
+    part-way inside torch's zip writer (EFBIG). The run stops naming the checkpoint, the cause and the fix; its
+    temporary folder is gone; the earlier checkpoints and ``last`` are byte-identical.
+    (ZeRO, two processes: tests/test_strategy.py.)"""
+    import subprocess
+    import sys
+
+    from helpers_strategy import file_size_limit
+    from posttrain.lit.tools.cli import main
+
+    config = cli_config(tmp_path, save_last=True)
+    main(["fit", "--config", config])  # 2 iterations, one checkpoint (no limit: it is written)
+    folder = tmp_path / "run" / "ckpt"
+    before, last = files_of(folder), ckpt.last_target(str(folder))
+    assert os.path.basename(last) == "epoch=0-step=2.ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config, "--ckpt_path", "last",
+                           "--trainer.max_steps=4"], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=600, preexec_fn=file_size_limit(1 << 20))  # 1 MiB; lightning.pt is ~19 MiB
+    assert done.returncode == 2 and "posttrain fit: error:" in done.stderr, done.stderr[-3000:]
+    message = done.stderr[done.stderr.index("posttrain fit: error:"):]
+    assert f"writing checkpoint {str(folder / 'epoch=1-step=4.ckpt')!r} failed (File too large)" in message, message
+    assert "the earlier checkpoints are unchanged" in message and "raise that limit" in message, message
+    assert "inline_container" not in message and len(message.splitlines()) <= 3, message
+    assert not [n for n in os.listdir(folder) if n.startswith(ckpt.TEMP_PREFIX)], os.listdir(folder)
+    assert files_of(folder) == before and ckpt.last_target(str(folder)) == last
+
+
+def files_of(folder) -> dict[str, dict]:
+    """Size and hash of every checkpoint file under ``folder`` (the failure note a failed run leaves aside)."""
+    return {rel: ckpt.hash_file(os.path.join(folder, rel)) for rel in ckpt.files_under(str(folder))
+            if rel != ckpt.FAILED}
 
 
 def test_deepspeed_shard_loader_runs_under_the_allow_list(tmp_path):

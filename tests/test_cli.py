@@ -1,16 +1,18 @@
 """The command a user types: subcommands, one run folder, W&B runs, a quiet console, short errors."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import yaml
 
 from posttrain.lit.tools.cli import condense, main
-from posttrain.lit.tools.config import derive_run_folder
+from posttrain.lit.tools.config import PosttrainCLI, derive_run_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINETUNE = os.path.join(ROOT, "configs", "finetune.yaml")
@@ -24,11 +26,11 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_help_lists_what_runs(capsys):
-    """fit / validate / predict / export / estimate / preprocess; no `test` (no method has a test_step); no top-level optimizer."""
+    """fit / validate / predict / export / estimate / preprocess / reward / serve-reward; no `test` (no method has a test_step); no top-level optimizer."""
     code, out, _ = run_main(capsys, "--help")
     assert code == 0
-    commands = re.search(r"\{([a-z,]+)\}", out).group(1).split(",")
-    assert commands == ["fit", "validate", "predict", "export", "estimate", "preprocess"]
+    commands = re.search(r"\{([a-z,-]+)\}", out).group(1).split(",")
+    assert commands == ["fit", "validate", "predict", "export", "estimate", "preprocess", "reward", "serve-reward"]
     code, out, _ = run_main(capsys, "fit", "--help")
     assert "--optimizer" not in out and "--lr_scheduler" not in out and "--model.help" in out
 
@@ -137,3 +139,75 @@ def test_default_run_prints_no_warning_and_resumes_its_wandb_run(tmp_path):
     predicted = posttrain("predict", "--config", config, "--ckpt_path", "last", "--data.init_args.num_samples", "2",
                           cwd=tmp_path)
     assert predicted.returncode == 0 and warnings_in(predicted.stderr) == [], predicted.stderr
+
+
+# ---------------------------------------------------------------------- one video size
+SIZE = ("frames", "height", "width")
+
+
+class ParseOnly(PosttrainCLI):
+    def instantiate_classes(self) -> None:  # the config as the command reads it (links, --preset); nothing built
+        pass
+
+    def _set_seed(self) -> None:  # leave the global RNGs alone
+        pass
+
+
+def read_config(*args: str):
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        return ParseOnly(args=list(args), run=False, parser_kwargs={"exit_on_error": False}).config
+
+
+def test_run_frames_override_reaches_the_synthetic_data(tmp_path):
+    """`--model.init_args.run.frames=9` on configs/finetune.yaml: the data trains on 9-frame videos, the size the
+    method samples (before, SyntheticVideos silently kept its own 5)."""
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        cli = PosttrainCLI(args=["fit", "--config", FINETUNE, "--model.init_args.run.frames=9",
+                                 "--trainer.max_steps=1", "--trainer.logger=false", "--trainer.limit_val_batches=0",
+                                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                                 f"--trainer.default_root_dir={tmp_path / 'run'}", "--data.init_args.num_samples=2",
+                                 "--data.init_args.batch_size=2"])
+    assert cli.trainer.global_step == 1
+    video = next(iter(cli.datamodule.train_dataloader()))["video"]
+    assert tuple(video.shape[2:]) == (9, 32, 32) == (cli.model.video.frames, cli.model.video.height,
+                                                     cli.model.video.width)
+
+
+def test_every_shipped_config_has_one_video_size():
+    """Every shipped config whose data has a size parses to the run's size (as it means; the recipes' VideoFolder
+    used to fall back to 9x32x32 and finetune_flux's images to 5 frames), and `--preset tiny` keeps it one."""
+    paths = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")) +
+                   glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))
+    checked = []
+    for path in paths:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+        if (raw.get("data") or {}).get("class_path") not in ("SyntheticVideos", "VideoFolder"):
+            continue
+        config = read_config("--config", path)
+        run, data = config.model.init_args.run, config.data.init_args
+        assert [data[k] for k in SIZE] == [raw["model"]["init_args"]["run"][k] for k in SIZE] == \
+            [run[k] for k in SIZE], path
+        checked.append(os.path.basename(path))
+    assert {"finetune.yaml", "finetune_flux.yaml", "finetune_folder.yaml", "wan2.1_t2v_1.3b_finetune.yaml"} <= \
+        set(checked), checked
+    tiny = read_config("--config", os.path.join(ROOT, "configs", "recipes", "wan2.1_t2v_1.3b_finetune.yaml"),
+                       "--preset", "tiny")
+    run, data = tiny.model.init_args.run, tiny.data.init_args
+    assert [data[k] for k in SIZE] == [run[k] for k in SIZE] == [9, 32, 32]
+
+
+def test_a_data_size_other_than_the_runs_is_refused_with_both_named(tmp_path):
+    """A linked init argument given in the YAML is replaced silently by jsonargparse; a size that can only have
+    been written there is refused instead (one equal to the run's is fine)."""
+    with open(FINETUNE) as f:
+        config = yaml.safe_load(f)
+    config["data"]["init_args"].update(frames=9, height=32)
+    path = tmp_path / "two_sizes.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(Exception) as err:
+        read_config("--config", str(path))
+    message = condense(str(err.value))
+    assert message.startswith("data.init_args.frames=9 but model.init_args.run.frames=5: the video size is set once"), \
+        message
+    assert "drop data.init_args.frames" in message and "height" not in message, message

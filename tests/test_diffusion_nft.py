@@ -7,11 +7,12 @@ from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.rewards import (ColourAlignment, ConstantReward, RewardOutput, SyntheticGenEvalReward,
                                        score)
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN, adamw
-from tests.helpers import quick_trainer
+from tests.helpers import assert_one_metric_scheme, quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
 VAE = Expert(arch="wan_vae")
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make(lr: float = 1e-3, reward=None, **kwargs) -> DiffusionNFT:
     card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": VAE,
                       "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr))}, text_max_length=32)
-    defaults = dict(num_samples_per_prompt=4, sampler=FlowMatchSampler(num_steps=8), **VIDEO)
+    defaults = dict(grpo=GRPOArgs(num_samples_per_prompt=4), sampler=FlowMatchSampler(num_steps=8), **VIDEO)
     defaults.update(kwargs)
     return DiffusionNFT(card, reward=reward, **defaults)
 
@@ -60,9 +61,10 @@ def test_diffusion_nft_raises_the_colour_reward_and_blends_old():
     assert same(snapshot(model.card["transformer_reference"]), initial)
     assert model.card.versions["transformer_reference"] == 0
     metrics = model.trainer.callback_metrics
-    for name in ("train/reward", "train/reward_std", "train/loss", "train/kl", "train/old_decay",
-                 "train/version/transformer_old"):
+    for name in ("train/reward", "train/reward_std", "train/loss/transformer", "train/kl/transformer",
+                 "train/decay/transformer_old", "train/version/transformer_old"):
         assert name in metrics, name
+    assert_one_metric_scheme(metrics, model.card)
 
 
 def test_decay_type_0_keeps_old_equal_to_the_policy():
@@ -90,12 +92,13 @@ class NaNReward(ColourAlignment):
 
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_samples_per_prompt=1 must be >= 2") as err:
-        make(num_samples_per_prompt=1, beta=0.0)
+        make(grpo=GRPOArgs(num_samples_per_prompt=1), beta=0.0)
     assert "beta=0.0 must be > 0" in str(err.value)
     with pytest.raises(ValueError, match=r"reward 'NaNReward': total is not finite"):
         quick_trainer(1).fit(make(reward=NaNReward()), Prompts(prompts=PROMPTS, batch_size=2))
     with pytest.raises(ValueError, match="diffusion_nft: the batch holds no prompts"):
-        make().training_step({"prompt": [], "seed": torch.zeros(0, dtype=torch.long)}, 0)
+        make().training_step({"prompt": [], "index": torch.zeros(0, dtype=torch.long),
+                              "group": torch.zeros(0, dtype=torch.long)}, 0)
 
 
 def test_config_parses(tmp_path):

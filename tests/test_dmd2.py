@@ -20,7 +20,7 @@ from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.samplers import FlowMatchSampler
-from tests.helpers import quick_trainer
+from tests.helpers import assert_one_metric_scheme, quick_trainer
 
 SIZE = RunArgs(frames=5, height=16, width=16)
 
@@ -97,6 +97,9 @@ def test_student_steps_every_nth_iteration_and_its_loss_is_not_computed_otherwis
     assert [i for i, name in stepped if name == "critic"] == list(range(7))
     versions = module.card.versions
     assert versions["transformer"] == 3 and versions["critic"] == 7 and versions["teacher"] == 0
+    assert {"train/loss/transformer", "train/dmd_grad_abs/transformer", "train/loss/critic"} <= set(
+        module.trainer.callback_metrics)
+    assert_one_metric_scheme(module.trainer.callback_metrics, module.card)
 
 
 def test_gradients_stay_in_the_expert_they_are_meant_for():

@@ -89,13 +89,13 @@ def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated:
     """The bytes a real 2-row training forward of ``arch`` (``preset``, config ``path``'s card and size) saves for
     backward, outside the parameters, are ``estimated`` within 5%."""
     from posttrain.lit.tools.config import instantiate_part, parse
-    from posttrain.lit.tools.estimate import _input_shapes
+    from posttrain.lit.tools.estimate import input_shapes
 
     method = instantiate_part(parse(path), "model", path, "estimate")
-    for name in ("vae", "transformer"):
-        method.card.models[name] = meta_model(method.card.specs[name])
+    for name, spec in method.card.specs.items():  # the meta card estimate builds
+        method.card.models[name] = meta_model(spec)
     model = presets.build_model(arch, preset=preset).train()
-    inputs = _inputs(_input_shapes(arch, dict(model.config), method.card, method, rows=2), torch.float32)
+    inputs = _inputs(input_shapes(arch, dict(model.config), method.card, method, rows=2), torch.float32)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -133,11 +133,15 @@ def test_activation_rows_follow_the_rl_batching():
 
     from posttrain.lit.tools.estimate import activation_rows
 
+    from posttrain.modules.grpo import GRPOArgs
+    from posttrain.modules.samplers import FlowMatchSampler
+
     assert activation_rows(SimpleNamespace(), 4)[0] == 4
-    rl = dict(num_samples_per_prompt=8, num_minibatches=1, guidance_scale=1.0)
+    rl = dict(grpo=GRPOArgs(num_samples_per_prompt=8), rollout_sampler=FlowMatchSampler())
     assert activation_rows(SimpleNamespace(**rl), 1)[0] == 8
-    assert activation_rows(SimpleNamespace(**rl, micro_batch_size=2), 1)[0] == 2
-    rows, text = activation_rows(SimpleNamespace(**{**rl, "guidance_scale": 4.5}, micro_batch_size=2), 1)
+    rl["grpo"].micro_batch_size = 2
+    assert activation_rows(SimpleNamespace(**rl), 1)[0] == 2
+    rows, text = activation_rows(SimpleNamespace(**{**rl, "rollout_sampler": FlowMatchSampler(guidance_scale=4.5)}), 1)
     assert rows == 4 and "micro-batches of 2" in text and "CFG" in text
 
 

@@ -110,3 +110,28 @@ def test_clip_score_is_logged_from_a_local_folder_and_a_missing_one_stops_at_sta
     logged = validate(Oracle(), Evaluate(metrics=["geneval", "clip_score"], clip=folder, num_prompts=4,
                                          batch_size=2, table=False), tmp_path)
     assert 0.0 <= logged["val/geneval/clip_score"] <= 100.0 and logged["val/geneval/all"] >= 0.95
+
+
+@pytest.mark.parametrize("card", ["wan", "flux"])
+def test_evaluation_samples_are_the_served_ones_for_any_family(card):
+    """``modules.evaluation.generate`` on plain modules (an ``arch`` and its text encoders in the adapter's order)
+    gives exactly what the method serves from the same seed (``Finetune.generate``), for Wan and for FLUX."""
+    from posttrain.lit.base import RunArgs
+    from posttrain.lit.finetune import Finetune
+    from posttrain.modules.evaluation import generate
+    from posttrain.modules.samplers import FlowMatchSampler
+    from tests.conftest import flux_card, wan_card
+
+    size = RunArgs(frames=1, height=16, width=16) if card == "flux" else RunArgs(frames=5, height=16, width=16)
+    module = Finetune((flux_card if card == "flux" else wan_card)(), run=size,
+                      sampler=FlowMatchSampler(num_steps=4, guidance_scale=3.0))
+    module.configure_model()
+    prompts = ["a red circle moving left on a blue background", "a yellow square on a green background"]
+    served = module.generate(prompts, seed=3)
+    stage = module.stage
+    encoders = [stage.card[name] for name in stage.encoders]
+    tokenizers = [stage.card.tokenizers[name] for name in stage.encoders]
+    ours = generate(stage.card[stage.transformer], encoders, tokenizers, stage.card[stage.vae], prompts, seed=3,
+                    frames=size.frames, height=size.height, width=size.width, sampler=module.sampler,
+                    text_max_length=stage.card.text_max_length, arch=stage.arch)
+    assert torch.equal(ours, served)

@@ -10,7 +10,7 @@ from posttrain.lit.finetune import Finetune
 from posttrain.modules.cards import Expert
 from posttrain.modules.losses import flow_matching_loss, noised
 from tests.conftest import TINY_WAN, adamw, wan_card
-from tests.helpers import TwoExperts, quick_trainer
+from tests.helpers import TwoExperts, assert_one_metric_scheme, quick_trainer
 
 
 def held_out_loss(module: Finetune, dm: SyntheticVideos) -> float:
@@ -91,6 +91,8 @@ def test_ema_sync_plan_versions_and_blend():
     p_ema = next(card["transformer_ema"].parameters())
     assert not torch.equal(p, p_ema) and not p_ema.requires_grad
     assert module.serving_transformer == "transformer_ema"
+    assert "train/loss/transformer" in module.trainer.callback_metrics
+    assert_one_metric_scheme(module.trainer.callback_metrics, card)
 
 
 def test_per_expert_scheduler_steps_with_its_optimizer():

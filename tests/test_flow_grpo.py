@@ -1,19 +1,22 @@
 """FlowGRPO end to end: real Trainer.fit on CPU with tiny presets of the real classes."""
+import dataclasses
+
 import pytest
 import torch
 
-import posttrain.lit.flow_grpo as flow_grpo_module
 from posttrain.callbacks.parity import C2Check, C2ViolationError
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.rewards import (ColourAlignment, ConstantReward, RewardOutput, SyntheticGenEvalReward,
                                        score)
+from posttrain.modules.rollout import Rollout
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN, adamw
-from tests.helpers import quick_trainer
+from tests.helpers import assert_one_metric_scheme, quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]
 VAE = Expert(arch="wan_vae")
@@ -28,11 +31,11 @@ def rl_card(lr: float) -> ModelCard:
                       "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(lr))}, text_max_length=32)
 
 
-def make(lr: float = 1e-3, reward=None, **kwargs) -> FlowGRPO:
-    defaults = dict(num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004,
-                    sampler=FlowMatchSampler(num_steps=8), **VIDEO)
+def make(lr: float = 1e-3, reward=None, grpo=None, **kwargs) -> FlowGRPO:
+    defaults = dict(sampler=FlowMatchSampler(num_steps=8), **VIDEO)
     defaults.update(kwargs)
-    return FlowGRPO(rl_card(lr), reward=reward, **defaults)
+    grpo = {"num_samples_per_prompt": 4, "timestep_fraction": 1.0, "kl_beta": 0.004, **(grpo or {})}
+    return FlowGRPO(rl_card(lr), reward=reward, grpo=GRPOArgs(**grpo), **defaults)
 
 
 def eval_reward(model) -> float:
@@ -57,10 +60,11 @@ def test_flow_grpo_raises_the_colour_reward_with_c2_holding():
     assert any(not torch.equal(weights0[k], v) for k, v in model.card["transformer"].state_dict().items())
     # C2 at rollout weights (float32): checked on iterations 0, 5, ..., 35; PPO ratio stays near 1
     assert c2.checks == 8 and c2.last_gap < 1e-5
-    assert abs(metrics["train/ppo_ratio_mean"].item() - 1) < 1e-2
-    for name in ("train/reward", "train/reward_std", "train/clip_frac", "train/kl", "train/loss",
-                 "train/c2_max_abs_dlogp", "train/grad_norm/transformer"):
+    assert abs(metrics["train/ppo_ratio_mean/transformer"].item() - 1) < 1e-2
+    for name in ("train/reward", "train/reward_std", "train/clip_frac/transformer", "train/kl/transformer",
+                 "train/loss/transformer", "train/c2_max_abs_dlogp", "train/grad_norm/transformer"):
         assert name in metrics, name
+    assert_one_metric_scheme(metrics, model.card)
     # one version per iteration; the frozen reference and text encoder never move
     assert model.card.versions["transformer"] == 40
     assert model.card.versions["transformer_reference"] == 0 and model.card.versions["text_encoder"] == 0
@@ -77,15 +81,15 @@ def test_constant_reward_changes_nothing():
         assert torch.equal(weights0[k], v), k
     assert model.card.versions["transformer"] == 0
     assert model.optimizer_of("transformer").state == {}
-    assert model.trainer.callback_metrics["train/kept_samples"].item() == 0
+    assert model.trainer.callback_metrics["train/kept_samples/transformer"].item() == 0
 
 
 def test_c2_check_fails_loudly_when_recompute_uses_another_cfg_scale(monkeypatch):
     """Rollout at CFG 2, recompute at CFG 1: the check stops training before any update."""
-    real = flow_grpo_module.c2_gap
-    monkeypatch.setattr(flow_grpo_module, "c2_gap",
-                        lambda sampler, model, traj, cond, uncond, scale: real(sampler, model, traj, cond, uncond, 1.0))
-    model = make(guidance_scale=2.0)
+    real = Rollout.c2_gap
+    monkeypatch.setattr(Rollout, "c2_gap", lambda self, name=None: real(
+        dataclasses.replace(self, sampler=FlowMatchSampler(num_steps=8, guidance_scale=1.0)), name))
+    model = make(rollout_sampler=FlowMatchSampler(num_steps=8, guidance_scale=2.0))
     model.configure_model()
     weights0 = {k: v.clone() for k, v in model.card["transformer"].state_dict().items()}
     with pytest.raises(C2ViolationError, match="C2 identity violated at iteration 0"):
@@ -116,18 +120,20 @@ def test_bad_reward_is_a_clear_error(reward, message):
 
 def test_bad_options_and_empty_prompts():
     with pytest.raises(ValueError, match=r"num_samples_per_prompt=1 must be >= 2") as err:
-        make(num_samples_per_prompt=1, timestep_fraction=0.0)
-    assert "timestep_fraction=0.0 must be in (0, 1]" in str(err.value)  # all problems in one message
+        make(grpo=dict(num_samples_per_prompt=1, timestep_fraction=0.0))
+    assert "grpo.timestep_fraction=0.0 must be in (0, 1]" in str(err.value)  # all problems in one message
     with pytest.raises(ValueError, match="the inline `prompts` list is empty"):
         Prompts(prompts=[])
     model = make()
     with pytest.raises(ValueError, match="flow_grpo: the batch holds no prompts"):
-        model.training_step({"prompt": [], "seed": torch.zeros(0, dtype=torch.long)}, 0)
+        model.training_step({"prompt": [], "index": torch.zeros(0, dtype=torch.long),
+                             "group": torch.zeros(0, dtype=torch.long)}, 0)
 
 
 def test_config_parses(tmp_path):
     cli = PosttrainCLI(args=["--config", "configs/flow_grpo.yaml", "--trainer.logger=false",
                              f"--trainer.default_root_dir={tmp_path}"], run=False)
     assert isinstance(cli.model, FlowGRPO) and isinstance(cli.model.reward, SyntheticGenEvalReward)
-    assert cli.model.num_samples_per_prompt >= 2 and cli.model.sampler.num_steps <= 10
+    assert cli.model.grpo.num_samples_per_prompt >= 2 and cli.model.sampler.num_steps <= 10
+    assert cli.model.rollout_sampler is cli.model.sampler  # train ≡ serve unless a config says otherwise
     assert any(isinstance(cb, C2Check) for cb in cli.trainer.callbacks)

@@ -73,7 +73,7 @@ def test_videos_with_txt_captions_give_synthetic_style_batches(clips):
     dm = VideoFolder(str(clips), frames=5, height=16, width=16, frame_stride=2, batch_size=3)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"video", "prompt", "index"}
+    assert set(batch) == {"video", "prompt", "index", "group"}
     assert batch["video"].shape == (3, 3, 5, 16, 16) and batch["video"].dtype == torch.float32
     assert -1.0 <= batch["video"].min() < -0.5 and 0.5 < batch["video"].max() <= 1.0
     by_name = {os.path.basename(p): c for p, c in dm.train_items}
@@ -163,7 +163,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
     dm = loaded(frames=5, height=16, width=16)
     assert len(calls) == 3 and len(list(cache.iterdir())) == 3
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"latents", "prompt", "index"}
+    assert set(batch) == {"latents", "prompt", "index", "group"}
     assert batch["latents"].shape == (3, 16, 2, 4, 4)  # (B, z, (F-1)/4+1, H/4, W/4): the 4x world VAE
     # the cached latents are what the VAE gives for the same pixels
     item = dm.train_dataset()[0]
@@ -210,7 +210,7 @@ def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_pa
     assert trainer.global_step == 3
     # 5 train + 1 val items, each encoded once; training itself never ran the VAE (batches carry latents)
     assert len(calls) == 6 and len(list(cache.iterdir())) == 6
-    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert torch.isfinite(trainer.callback_metrics["train/loss/transformer"])
     assert "val/loss" in trainer.callback_metrics  # validation ran on cached latents
     # the next run with the same VAE weights finds every entry
     again = data()
@@ -328,3 +328,32 @@ def test_finetune_folder_config_parses(clips, tmp_path, monkeypatch):
     assert cli.datamodule.root == str(clips) and cli.datamodule.latents_cache is not None
     assert (cli.datamodule.frames, cli.datamodule.height, cli.datamodule.width) == \
         (cli.model.video.frames, cli.model.video.height, cli.model.video.width)
+
+
+def test_finetune_folder_with_a_one_frame_run_trains_on_images(tmp_path, monkeypatch):
+    """configs/finetune_folder.yaml with `run: {frames: 1}` (the YAML edited, as a user would) on a folder of
+    images: the data takes the run's one frame and `posttrain fit` trains (before, VideoFolder kept frames=9 and
+    refused every image "but frames=9")."""
+    import yaml
+
+    from posttrain.lit.tools.cli import main
+
+    root = tmp_path / "images"
+    root.mkdir()
+    for i, rgb in enumerate([(255, 0, 0), (0, 0, 255), (0, 255, 0), (255, 255, 0)]):
+        caption(image(root / f"{i}.png", rgb, size=(48, 40)), f"image {i}")
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "finetune_folder.yaml")
+    with open(config) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["init_args"]["run"]["frames"] = 1
+    path = tmp_path / "images.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    # returns (no SystemExit): the run trained
+    main(["fit", "--config", str(path), "--trainer.max_steps=1", "--trainer.logger=false",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          f"--trainer.default_root_dir={run}", f"--data.init_args.root={root}",
+          f"--data.init_args.latents_cache={tmp_path / 'latents'}", "--data.init_args.batch_size=2"])
+    latents = [folder.load_file(str(p))["latents"] for p in (tmp_path / "latents").iterdir()]
+    assert len(latents) == 4 and all(z.shape[1] == 1 for z in latents)  # (z, F'=1, h, w): one frame each

@@ -18,6 +18,7 @@ from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.rewards import ColourAlignment, ConstantReward, MotionAlignment, score
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import adamw, flux_card, i2v_card
@@ -75,7 +76,7 @@ def test_flux_flow_grpo_raises_its_reward_against_a_constant_reward():
         # a random FLUX of the world's size (a preset key set: not the trained asset)
         return FlowGRPO(flux_card(lr=1e-3, transformer_preset={"num_layers": 2}),
                         sampler=FlowMatchSampler(num_steps=8, scheduler=flux_scheduler()),
-                        reward=reward, num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004,
+                        reward=reward, grpo=GRPOArgs(num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004),
                         run=RunArgs(frames=1, height=32, width=32))
 
     def eval_reward(model) -> float:
@@ -112,19 +113,19 @@ def test_every_method_runs_on_flux(method):
         data = Prompts(prompts=PROMPTS, batch_size=2)
     else:
         module = JointRL(flux_card(num_refiners=1, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-3))),
-                         sampler=sampler, num_samples_per_prompt=2, max_new_tokens=2, run=run)
+                         sampler=sampler, grpo=GRPOArgs(num_samples_per_prompt=2), max_new_tokens=2, run=run)
         data = Prompts(prompts=PROMPTS, batch_size=2)
     quick_trainer(1).fit(module, data)
     assert module.trainer.global_step == 1
 
 
 def test_flow_grpo_on_i2v_reads_first_frames_from_the_batch():
-    module = FlowGRPO(i2v_card(), sampler=FlowMatchSampler(num_steps=2), num_samples_per_prompt=2,
+    module = FlowGRPO(i2v_card(), sampler=FlowMatchSampler(num_steps=2), grpo=GRPOArgs(num_samples_per_prompt=2),
                       reward=MotionAlignment(), run=RunArgs(frames=5, height=16, width=16))
     quick_trainer(1).fit(module, SyntheticVideos(num_samples=4, batch_size=2, frames=5, height=16, width=16))
     assert module.trainer.global_step == 1
     with pytest.raises(ValueError, match=r"WanI2V \('transformer'\) generates from a first frame, but the batch holds "
-                                         r"only \['prompt', 'seed'\]: use a datamodule whose batches carry `image`"):
+                                         r"only \['group', 'index', 'prompt'\]: use a datamodule whose batches carry `image`"):
         quick_trainer(1).fit(module, Prompts(prompts=PROMPTS, batch_size=2))
 
 

@@ -14,18 +14,19 @@ from lightning.pytorch import Callback, seed_everything
 
 from conftest import TINY_WAN, adamw
 from posttrain.datamodules.prompts import Prompts
-from helpers import quick_trainer
+from helpers import assert_one_metric_scheme, quick_trainer
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.joint_rl import JointRL
 from posttrain.lit.base import RunArgs
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.refiners import target_probability
 from posttrain.modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
 from posttrain.modules.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "xqz#"
-SMALL = dict(run=RunArgs(frames=5, height=16, width=16), max_new_tokens=8, timestep_fraction=1.0)
+SMALL = dict(run=RunArgs(frames=5, height=16, width=16), max_new_tokens=8)
 
 
 def joint_card(n: int, joint: bool = True, lm_lr: float = 2e-2, generator_lr: float = 1e-3) -> ModelCard:
@@ -44,11 +45,12 @@ def keyword_reward(n: int, targets: str = TARGETS, colour_weight: float = 1.0) -
                           weights={"colour": colour_weight, "keyword": 1.0})
 
 
-def method(n: int, credit: str = "per_expert", joint: bool = True, reward=None, **kwargs) -> JointRL:
+def method(n: int, credit: str = "per_expert", joint: bool = True, reward=None, grpo=None, **kwargs) -> JointRL:
     seed_everything(0)
-    options = {**SMALL, "num_samples_per_prompt": 4, "num_skip_refinement": 1, **kwargs}
-    return JointRL(joint_card(n, joint), FlowMatchSampler(num_steps=3), reward or keyword_reward(n),
-                   credit=credit, joint=joint, **options)
+    options = {**SMALL, "num_skip_refinement": 1, **kwargs}
+    grpo = GRPOArgs(**{"num_samples_per_prompt": 4, "timestep_fraction": 1.0, **(grpo or {})})
+    return JointRL(joint_card(n, joint), FlowMatchSampler(num_steps=3), reward=reward or keyword_reward(n),
+                   grpo=grpo, credit=credit, joint=joint, **options)
 
 
 class Record(Callback):
@@ -96,7 +98,8 @@ def test_per_expert_credit_every_refiner_learns_its_own_target():
         assert max(others) < 0.05
     # 2) the generator moved, and every PPO update started at ratio 1 (recomputed at rollout weights)
     assert any(not torch.equal(v, m.card["transformer"].state_dict()[k]) for k, v in generator0.items())
-    ratios = [row["train/ppo_ratio_mean"] for row in record.rows if "train/ppo_ratio_mean" in row]
+    ratios = [row["train/ppo_ratio_mean/transformer"] for row in record.rows
+              if "train/ppo_ratio_mean/transformer" in row]
     assert len(ratios) == 60
     assert max(abs(r - 1.0) for r in ratios) < 1e-4
     # 3) four experts, four independent versions: a refiner with no signal in an iteration does not step
@@ -125,6 +128,7 @@ def test_per_expert_credit_every_refiner_learns_its_own_target():
         assert f"train/loss/{name}" in last
     for i in range(3):
         assert f"train/reward/keyword/refiner_{i}" in last
+    assert_one_metric_scheme(last, m.card)
     assert record.rows[-1]["train/reward/keyword"] > record.rows[0]["train/reward/keyword"] + 0.3
     assert 0.0 < last["train/cache_hit_rate"] < 1.0
     # 6) served samples are captioned with their refinements
@@ -223,8 +227,8 @@ def test_c2_probe_covers_generator_and_refiners():
 
 def test_bad_input_is_rejected_with_clear_messages():
     with pytest.raises(ValueError, match=r"num_samples_per_prompt=1 must be >= 2"):
-        method(1, credit="shared", num_samples_per_prompt=1, num_skip_refinement=0)
-    with pytest.raises(ValueError, match=r"num_skip_refinement=4 must be in \[0, num_samples_per_prompt=4\)"):
+        method(1, credit="shared", grpo=dict(num_samples_per_prompt=1), num_skip_refinement=0)
+    with pytest.raises(ValueError, match=r"num_skip_refinement=4 must be in \[0, grpo.num_samples_per_prompt=4\)"):
         method(1, credit="shared", num_skip_refinement=4)
     # a reward without a term for refiner_2: named, with the terms it does have
     with pytest.raises(ValueError, match=r"needs a reward term for 'refiner_2', but the reward's terms are "
@@ -239,13 +243,14 @@ def test_bad_input_is_rejected_with_clear_messages():
     # joint: false needs a frozen transformer; problems are collected into one message
     seed_everything(0)
     with pytest.raises(ValueError) as err:
-        JointRL(joint_card(2, joint=True), reward=ColourAlignment(), joint=False, num_samples_per_prompt=1)
+        JointRL(joint_card(2, joint=True), reward=ColourAlignment(), joint=False,
+                grpo=GRPOArgs(num_samples_per_prompt=1))
     assert "joint=false freezes the generator, but the card's transformer is trainable=true" in str(err.value)
     assert "num_samples_per_prompt=1" in str(err.value)
     with pytest.raises(ValueError, match="joint_rl needs >= 1"):
         JointRL(ModelCard(experts={k: v for k, v in joint_card(1).specs.items() if not k.startswith("refiner")}))
     with pytest.raises(ValueError, match="joint_rl: the batch holds no prompts"):
-        method(1, credit="shared").training_step({"prompt": [], "seed": []}, 0)
+        method(1, credit="shared").training_step({"prompt": [], "index": [], "group": []}, 0)
 
 
 @pytest.mark.parametrize("name,n", [("joint_rl", 3), ("unified_rl", 1)])

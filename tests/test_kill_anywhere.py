@@ -31,8 +31,8 @@ def finetune(cfg: dict) -> None:
 
 
 def joint_rl(cfg: dict) -> None:
-    cfg["model"]["init_args"].update(num_samples_per_prompt=2, max_new_tokens=3, table_every_n_iterations=4,
-                                     run=dict(FINETUNE))
+    cfg["model"]["init_args"].update(max_new_tokens=3, table_every_n_iterations=4, run=dict(FINETUNE))
+    cfg["model"]["init_args"]["grpo"]["num_samples_per_prompt"] = 2
     cfg["model"]["init_args"]["sampler"]["init_args"]["num_steps"] = 3
     cfg["data"]["init_args"].update(num_synthetic=6, batch_size=2)
 

@@ -1,50 +1,60 @@
-"""The C2 identity through the rollout helpers, and C2Check's hook, options and failure modes."""
+"""The C2 identity through the rollout object, and C2Check's hook, options and failure modes."""
+import dataclasses
+
 import pytest
 import torch
 
 from posttrain.callbacks.parity import C2Check, C2ViolationError
 from posttrain.modules.generators import GeneratorStage, VideoSize
-from posttrain.modules.rollout import c2_gap, mean_metrics, ppo_step_losses, recompute_log_probs, rollout
+from posttrain.modules.rollout import Rollout, mean_metrics
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import wan_card
 
 
 @pytest.fixture(scope="module")
-def rolled():
+def rolled() -> Rollout:
     card = wan_card()
     card.build()
     stage = GeneratorStage(card)
     sampler = FlowMatchSampler(num_steps=4, guidance_scale=2.0)
-    cond, uncond = stage.conditioning(["a red circle moving left on a blue background"] * 2, 2.0)
-    traj = rollout(stage, sampler, cond, stage.latent_shape(VideoSize(5, 16, 16)), torch.Generator().manual_seed(0),
-                   uncond=uncond, guidance_scale=2.0)
-    return stage, sampler, cond, uncond, traj
+    cond, uncond = stage.conditioning(["a red circle moving left on a blue background"] * 2, sampler.guidance_scale)
+    return Rollout.sample(stage, sampler, cond, uncond, stage.latent_shape(VideoSize(5, 16, 16)),
+                          torch.Generator().manual_seed(0))
 
 
 def test_c2_identity_at_rollout_weights(rolled):
-    stage, sampler, cond, uncond, traj = rolled
+    traj = rolled.traj
     assert traj.log_probs.shape == (4, 2) and traj.xs.shape[:2] == (5, 2)
-    gap = c2_gap(stage, sampler, traj, cond, uncond, guidance_scale=2.0)
-    assert gap < 1e-5
+    assert rolled.c2_gap() < 1e-5
     # a different CFG scale at recompute is a different policy: the gap is large
-    assert c2_gap(stage, sampler, traj, cond, uncond, guidance_scale=1.0) > 1e-3
-    torch.testing.assert_close(recompute_log_probs(stage, sampler, traj, cond, uncond, 2.0),
-                               traj.log_probs, atol=1e-5, rtol=0)
+    other = dataclasses.replace(rolled, sampler=FlowMatchSampler(num_steps=4, guidance_scale=1.0))
+    assert other.c2_gap() > 1e-3
+    torch.testing.assert_close(rolled.recompute_log_probs(), traj.log_probs, atol=1e-5, rtol=0)
+
+
+def test_selected_rows_recompute_their_own_log_probs(rolled):
+    """``select`` keeps the rows it names, in its order: their conditioning, stored log p and latents; the C2
+    identity holds on the selection, and a selection of a selection names the original rows."""
+    swapped = rolled.select(torch.tensor([1, 0]))
+    assert torch.equal(swapped.latents, rolled.latents.flip(0))
+    torch.testing.assert_close(swapped.recompute_log_probs(), rolled.traj.log_probs.flip(1), atol=1e-5, rtol=0)
+    assert swapped.c2_gap() < 1e-5
+    again = swapped.select(torch.tensor([0]))
+    assert again.rows.tolist() == [1] and torch.equal(again.cond["encoder_hidden_states"],
+                                                      rolled.cond["encoder_hidden_states"][1:])
 
 
 def test_ppo_ratio_is_one_and_kl_zero_at_rollout_weights(rolled):
     """At the rollout's weights: ratio 1, nothing clipped, KL to an identical reference 0 — and the
     loss still has a gradient (the policy gradient -A·∇log p, plus a KL that carries gradient)."""
-    stage, sampler, cond, uncond, traj = rolled
     metrics = {}
-    parts = ppo_step_losses(stage, sampler, traj, [0, 2], cond, torch.tensor([1.0, -1.0]), 1e-3, 0.1, uncond, 2.0,
-                            reference="transformer", metrics=metrics)
+    parts = rolled.step_losses([0, 2], torch.tensor([1.0, -1.0]), 1e-3, 0.1, reference="transformer", metrics=metrics)
     assert len(parts) == 2 and not metrics  # nothing is computed before it is asked for
     for part in parts:  # per-step backward: one step's graph at a time
         part().backward()
     m = mean_metrics(metrics)
-    assert abs(m["ratio_mean"].item() - 1) < 1e-5 and m["clip_frac"].item() == 0.0 and m["kl"].item() < 1e-10
-    transformer = stage.card["transformer"]
+    assert abs(m["ppo_ratio_mean"].item() - 1) < 1e-5 and m["clip_frac"].item() == 0.0 and m["kl"].item() < 1e-10
+    transformer = rolled.stage.card["transformer"]
     grads = [p.grad for p in transformer.parameters() if p.grad is not None]
     assert grads and sum(g.abs().sum() for g in grads) > 0
     transformer.zero_grad(set_to_none=True)
@@ -53,14 +63,13 @@ def test_ppo_ratio_is_one_and_kl_zero_at_rollout_weights(rolled):
 def test_per_step_backward_equals_one_backward_of_the_sum(rolled):
     """Backing up each step's loss as it comes (activation memory of one step) gives the gradients of
     one backward of the summed loss."""
-    stage, sampler, cond, uncond, traj = rolled
-    transformer = stage.card["transformer"]
-    args = (stage, sampler, traj, [0, 1, 3], cond, torch.tensor([0.7, -1.2]), 1e-3, 0.1, uncond, 2.0)
-    for part in ppo_step_losses(*args, reference="transformer"):
+    transformer = rolled.stage.card["transformer"]
+    args = ([0, 1, 3], torch.tensor([0.7, -1.2]), 1e-3, 0.1)
+    for part in rolled.step_losses(*args, reference="transformer"):
         part().backward()
     per_step = [p.grad.clone() for p in transformer.parameters()]
     transformer.zero_grad(set_to_none=True)
-    sum(part() for part in ppo_step_losses(*args, reference="transformer")).backward()
+    sum(part() for part in rolled.step_losses(*args, reference="transformer")).backward()
     for a, p in zip(per_step, transformer.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=1e-5)
     transformer.zero_grad(set_to_none=True)
@@ -69,15 +78,14 @@ def test_per_step_backward_equals_one_backward_of_the_sum(rolled):
 def test_micro_batches_give_the_gradients_of_the_whole_batch(rolled):
     """``micro_batch=1``: each step's loss in chunks of one row (activation memory of one row), backed up one
     after another, gives the gradients of the whole batch's per-step backward, and logs the same losses."""
-    stage, sampler, cond, uncond, traj = rolled
-    transformer = stage.card["transformer"]
-    args = (stage, sampler, traj, [0, 1, 3], cond, torch.tensor([0.7, -1.2]), 1e-3, 0.1, uncond, 2.0)
+    transformer = rolled.stage.card["transformer"]
+    args = ([0, 1, 3], torch.tensor([0.7, -1.2]), 1e-3, 0.1)
     whole_metrics, micro_metrics = {}, {}
-    for part in ppo_step_losses(*args, reference="transformer", metrics=whole_metrics):
+    for part in rolled.step_losses(*args, reference="transformer", metrics=whole_metrics):
         part().backward()
     whole = [p.grad.clone() for p in transformer.parameters()]
     transformer.zero_grad(set_to_none=True)
-    parts = ppo_step_losses(*args, reference="transformer", metrics=micro_metrics, micro_batch=1)
+    parts = rolled.step_losses(*args, reference="transformer", metrics=micro_metrics, micro_batch=1)
     assert len(parts) == 3 * 2
     for part in parts:
         part().backward()

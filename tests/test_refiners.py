@@ -199,3 +199,33 @@ def test_target_probability_matches_first_token_policy(lm):
     r = sample_refinements(model, tok, PROMPTS[:1] * 400, torch.Generator().manual_seed(5), max_new_tokens=1)
     share = sum(t in ascii_ids for t in r.tokens[:, 0].tolist()) / 400
     assert abs(share - p_ascii) < 4 * math.sqrt(p_ascii * (1 - p_ascii) / 400)
+
+
+def test_refiner_loss_and_c2_gap_as_joint_and_workflow_rl_use_them():
+    """``refiner_loss`` against a reference with the same weights: the k3 KL is 0, so the loss is the batch mean
+    of the token policy gradient, -mean(A) = -(1 + 1 - 1)/3 when every row has tokens, and its gradient raises
+    the log p of the rows with A > 0 (as ``token_pg_loss`` alone). ``refiner_c2_gap`` is ~0 at the sampling
+    weights, and not once the weights have moved."""
+    from posttrain.modules.cards import Expert, ModelCard
+    from posttrain.modules.refiners import refiner_c2_gap, refiner_loss
+
+    torch.manual_seed(0)
+    card = ModelCard(experts={}, num_refiners=1,
+                     refiner=Expert(arch="qwen2", trainable=True, optimizer=lambda p: torch.optim.SGD(p, lr=0.5)))
+    card.build()
+    reference = card.add_role("reference", of="refiner_0")
+    model, tok = card["refiner_0"], card.tokenizers["refiner_0"]
+    r = sample_refinements(model, tok, PROMPTS, torch.Generator().manual_seed(4), max_new_tokens=8)
+    assert refiner_c2_gap(model, r, 1.0) < 1e-5
+    loss, metrics = refiner_loss(card, "refiner_0", reference, r, torch.tensor([1.0, 1.0, -1.0]), 1.0, 0.01)
+    assert r.mask.any(dim=1).all() and loss.item() == pytest.approx(-1 / 3, abs=1e-6)
+    assert metrics["kl"].item() < 1e-6 and metrics["tokens"].item() > 0
+    loss.backward()
+    with torch.no_grad():
+        for p in card.parameters_of("refiner_0"):
+            p -= 0.5 * p.grad
+    after = completion_log_probs(model, r).detach()
+    gain = ((after - r.log_probs) * r.mask).sum(1)
+    assert gain[0] > 0 and gain[1] > 0 and gain[2] < 0
+    assert refiner_c2_gap(model, r, 1.0) > 1e-3
+    assert refiner_c2_gap(card[reference], r, 1.0) < 1e-5  # the frozen reference did not move

@@ -128,3 +128,27 @@ def test_clip_score_reward_is_torchmetrics_clip_score_per_sample(tmp_path):
         assert float(metric.compute()) == pytest.approx(max(float(out.total[b]) * 100, 0.0), abs=1e-3)
     with pytest.raises(ValueError, match="does not hold a CLIP model with its processor"):
         clip_score_metric(str(tmp_path))  # a folder, but no CLIP in it
+
+
+def test_term_problems_name_the_option_the_terms_and_the_fix():
+    """The start-up dry run of credit by reward term (joint_rl, workflow_rl): each missing term is named with the
+    option that asked for it and the terms the reward has; a reward that fails on the dry run is reported once."""
+    from posttrain.modules.rewards import credited_term, term_problems
+
+    reward = WeightedReward({"colour": ColourAlignment(), "keyword": RefinementKeyword({"refiner_0": "x"})})
+    context = {"original_prompts": ["a red circle"], "refinements": {"refiner_0": [""]}}
+    media = torch.zeros(1, 3, 1, 8, 8)
+    needed = [("refiner_0", "credit='per_expert'", "fix A"), ("refiner_1", "credit='per_expert'", "fix B"),
+              ("motion", "generator_term", "fix C")]
+    assert term_problems(reward, needed, media, ["a red circle"], context) == [
+        "credit='per_expert' needs a reward term for 'refiner_1', but the reward's terms are ['colour', "
+        "'colour/distance', 'keyword', 'keyword/refiner_0']: fix B",
+        "generator_term needs a reward term for 'motion', but the reward's terms are ['colour', 'colour/distance', "
+        "'keyword', 'keyword/refiner_0']: fix C"]
+    failing = term_problems(reward, needed, media, ["a red circle"], None)
+    assert len(failing) == 1 and failing[0].startswith("credit='per_expert', generator_term: the reward failed on a "
+                                                       "dry run (")
+    out = score(reward, media, ["a red circle"], context)
+    assert torch.equal(credited_term(out, "refiner_0", "joint_rl"), out.terms["keyword/refiner_0"])
+    with pytest.raises(ValueError, match="joint_rl credit by reward term: per-expert credit needs exactly one"):
+        credited_term(out, "refiner_1", "joint_rl")

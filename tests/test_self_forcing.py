@@ -1,5 +1,5 @@
-"""Self-Forcing mechanics on the embedded default: a block-causal student (tiny ``wan_t2v_causal``), 5×16×16
-videos = 2 latent frames, one latent frame per chunk (2 chunks), 4-step list, CPU.
+"""Self-Forcing mechanics on the embedded default: DMD2 with a block-causal student (tiny ``wan_t2v_causal``) and
+a chunked sampler, 5×16×16 videos = 2 latent frames, one latent frame per chunk (2 chunks), 4-step list, CPU.
 
 What is asserted: the rollout is the serving path (chunk loop, KV cache) and equals it; the student's only grad
 comes from the exit step of each chunk; versions of student and critic move on their own schedules; start-up
@@ -14,7 +14,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs
-from posttrain.lit.self_forcing import SelfForcing
+from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.helpers import quick_trainer
 from tests.test_dmd2 import distill_card, fit_and_measure, weights
@@ -27,10 +27,10 @@ def chunked_sampler(chunk_frames=1) -> FlowMatchSampler:
                             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
 
 
-def self_forcing(card=None, chunk_frames=1, ratio: int = 2, run: RunArgs = SIZE) -> SelfForcing:
+def self_forcing(card=None, chunk_frames=1, ratio: int = 2, run: RunArgs = SIZE) -> DMD2:
     torch.manual_seed(0)
-    return SelfForcing(card or distill_card(student_arch="wan_t2v_causal"), chunked_sampler(chunk_frames),
-                       generator_update_ratio=ratio, teacher_sampler=FlowMatchSampler(num_steps=4), run=run)
+    return DMD2(card or distill_card(student_arch="wan_t2v_causal"), chunked_sampler(chunk_frames),
+                generator_update_ratio=ratio, teacher_sampler=FlowMatchSampler(num_steps=4), run=run)
 
 
 @pytest.fixture(autouse=True)
@@ -60,12 +60,12 @@ def test_training_rollout_is_the_served_chunk_loop():
     g = torch.Generator().manual_seed(3)
     noise = torch.randn(served.shape, generator=g)
     cond = module.stage.condition(prompts)
-    rollout = module.stage.sample(module.sampler, noise, cond, name="transformer", exit_step=3, generator=g).latents
+    rollout = module.stage.sample(module.sampler, noise, cond, name="transformer", exit_step=3, rng=g).latents
     assert rollout.requires_grad and torch.equal(rollout.detach(), served)
     # the causal student, not a bidirectional pass: the first chunk alone gives the first chunk
     g = torch.Generator().manual_seed(3)
     noise = torch.randn(served.shape, generator=g)
-    alone = module.stage.sample(module.sampler, noise[:, :, :1], cond, name="transformer", generator=g).latents
+    alone = module.stage.sample(module.sampler, noise[:, :, :1], cond, name="transformer", rng=g).latents
     assert torch.equal(alone, served[:, :, :1])
 
 
@@ -102,8 +102,6 @@ def test_student_learns_from_the_teacher_weights_and_moves():
 
 
 def test_bad_settings_name_the_option():
-    with pytest.raises(ValueError, match=r"sampler.chunk_frames is not set.*\n.*arch 'wan_t2v'.*wan_t2v_causal"):
-        self_forcing(distill_card(), chunk_frames=None)
     with pytest.raises(ValueError, match=r"sampler.chunk_frames=1 samples chunk by chunk.*set `arch: wan_t2v_causal`"):
         self_forcing(distill_card())
     with pytest.raises(ValueError, match=r"generator_update_ratio=0 must be >= 1"):

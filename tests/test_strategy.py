@@ -116,7 +116,7 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
     The critic lives in the Lightning state (DDP ignores only the engine's parameters); a run killed
     after iteration 3 and resumed from iteration 2 ends bitwise equal to the uninterrupted one."""
     full = last(runs["two"])
-    state = checkpoints.load(full, gather=False)  # the Lightning state alone
+    state = checkpoints.load(full, gather=False)  # the Lightning state as written (no shards gathered into it)
     keys = state["state_dict"].keys()
     assert any(k.startswith("card.models.critic.") for k in keys)
     assert not any(k.startswith("card.models.transformer.") for k in keys)
@@ -139,6 +139,57 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
     exported = {k: v.float() for k, v in model.state_dict().items()}
     assert_equal(exported, h.weights(last(runs["z3"]), "transformer"))
     assert_close(exported, h.weights(last(runs["ddp"]), "transformer"), atol=5e-5)  # independent of zero_to_fp32
+
+
+@pytest.mark.parametrize("tool", ["export", "estimate"])
+def test_the_tools_that_run_deepspeed_are_as_quiet_as_fit(runs, tmp_path, tool):
+    """``export`` of a ZeRO checkpoint and ``estimate`` of a sharded config import DeepSpeed, which probes for an
+    accelerator and warns that it fell back to the CPU unless told: the tools tell it (they run its CPU-side code)."""
+    import subprocess
+    import sys
+
+    args = ["export", "--ckpt", last(runs["z2"]), "--out", str(tmp_path / "out")] if tool == "export" else \
+        ["estimate", "--config", os.path.join(h.ROOT, "configs", "finetune_zero.yaml")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([h.ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.pop("DS_ACCELERATOR", None)
+    done = subprocess.run([sys.executable, "-m", "posttrain", *args], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "real_accelerator" not in output and "Setting accelerator" not in output, output[:2000]
+
+
+# ---------------------------------------------------------------------- a real full disk, two processes
+def test_a_sharded_write_that_fails_part_way_stops_every_process_alike(runs, tmp_path):
+    """The ZeRO-2 run resumed under a file-size limit smaller than its shards (both processes inherit it): the next
+    save fails part-way in DeepSpeed's own shard writes on both. Both stop with one message naming the checkpoint,
+    the cause and the fix, without a hang; the temporary folder is gone; the earlier checkpoints and ``last`` are
+    byte-identical."""
+    import shutil
+
+    folder = str(tmp_path / "resumed")
+    shutil.copytree(os.path.join(runs["z2"], "ckpt"), os.path.join(folder, "ckpt"), symlinks=True)
+    before, target = files_of(os.path.join(folder, "ckpt")), checkpoints.last_target(os.path.join(folder, "ckpt"))
+    done = h.fit(h.config(folder, **{**RUNS["z2"], "max_steps": 6}), "--ckpt_path", "last",
+                 preexec_fn=h.file_size_limit(256 << 10))  # the shards are ~0.6-0.9 MiB each
+    assert done.returncode != 0 and "posttrain fit: error:" in done.stderr, done.stderr[-3000:]
+    message = done.stderr[done.stderr.index("posttrain fit: error:"):]
+    # torch's C++ file writer (DeepSpeed's shards) carries no OS error: the process's file-size limit names the cause
+    assert re.search(r"writing checkpoint '\S+/ckpt/\.last/epoch=\d+-step=6\.ckpt' failed on process \d \(a file "
+                     r"write stopped part-way \(torch: unexpected pos \d+ vs \d+\)\); the earlier checkpoints are "
+                     r"unchanged", message), message
+    assert f"at most {256 << 10} bytes" in message and "raise that limit" in message, message
+    # each process says it, in the same words (the message and the traceback hint)
+    assert message.count("posttrain fit: error:") == 2 and len(set(message.splitlines()) - {""}) == 2, message
+    hidden = os.path.join(folder, "ckpt", checkpoints.HIDDEN)
+    assert not [n for n in os.listdir(hidden) if n.startswith(checkpoints.TEMP_PREFIX)], os.listdir(hidden)
+    assert files_of(os.path.join(folder, "ckpt")) == before
+    assert checkpoints.last_target(os.path.join(folder, "ckpt")) == target
+
+
+def files_of(folder: str) -> dict[str, dict]:
+    return {rel: checkpoints.hash_file(os.path.join(folder, rel)) for rel in checkpoints.files_under(folder)
+            if rel != checkpoints.FAILED}
 
 
 # ---------------------------------------------------------------------- clear errors
@@ -341,8 +392,9 @@ def test_zero3_experts_from_stored_weights_are_built_partitioned(one_process, tm
             import deepspeed
 
             for name, reference in references.items():
-                model = pl_module.card[name]
-                model = getattr(model, "module", model)
+                model = pl_module.card.models[name]  # the model itself (its engine stays with the strategy)
+                engine = trainer.strategy.engines[name]
+                assert engine.module is model and pl_module.card[name].runner is engine  # forward runs the engine
                 params = list(model.parameters())
                 assert all(hasattr(p, "ds_id") for p in params)
                 with deepspeed.zero.GatheredParameters(params):
@@ -397,7 +449,7 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
         def on_train_start(self, trainer, pl_module):
             import deepspeed
 
-            module = pl_module.card["transformer"].module
+            module = pl_module.card.models["transformer"]
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
                 loaded.update({k: v.detach().clone() for k, v in module.named_parameters()})
 

@@ -12,11 +12,12 @@ from posttrain.datamodules.prompts import Prompts
 from posttrain.modules import checkpoints
 from posttrain.lit.workflow_rl import WorkflowRL
 from posttrain.modules.cards import ModelCard
+from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.rewards import ColourAlignment, MotionAlignment, StageReward, WeightedReward, score
 from posttrain.modules.samplers import FlowMatchSampler
 from posttrain.modules.workflow import Stage
 from tests.conftest import workflow_experts
-from tests.helpers import quick_trainer
+from tests.helpers import assert_one_metric_scheme, quick_trainer
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
 
@@ -49,7 +50,8 @@ def make(t2i_trainable: bool = True, i2v_trainable: bool = True, credit: str = "
                     trainable=t2i_trainable, credit=credits[0]),
               Stage("i2v", sampler=FlowMatchSampler(num_steps=6), frames=5, height=size, width=size,
                     trainable=i2v_trainable, credit=credits[1])]
-    defaults = dict(reward=reward(), credit=credit, num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004)
+    defaults = dict(reward=reward(), credit=credit,
+                    grpo=GRPOArgs(num_samples_per_prompt=4, timestep_fraction=1.0, kl_beta=0.004))
     return WorkflowRL(ModelCard(experts, text_max_length=64), stages, **{**defaults, **kwargs})
 
 
@@ -84,8 +86,10 @@ def test_per_stage_credit_raises_every_stage_term_with_c2_holding():
     assert c2.checks == 6 and c2.last_gap < 1e-5  # both stages' log p recomputed at the rollout's weights
     metrics = model.trainer.callback_metrics
     for name in ("train/reward/image", "train/reward/video", "train/time/t2i/rollout", "train/time/i2v/update",
-                 "train/grad_norm/t2i_transformer", "train/grad_norm/i2v_transformer"):
+                 "train/grad_norm/t2i_transformer", "train/grad_norm/i2v_transformer",
+                 "train/ppo_ratio_mean/t2i_transformer", "train/kl/i2v_transformer"):
         assert name in metrics, name
+    assert_one_metric_scheme(metrics, model.card)
 
 
 def test_a_frozen_stage_stays_bitwise_unchanged():
@@ -134,8 +138,8 @@ def test_bad_workflow_rl_options_name_the_fix():
                                          r"term \(e.g. colour\), or use credit: shared"):
         WorkflowRL(ModelCard(workflow_experts()), [Stage("t2i", frames=1), Stage("i2v", frames=5, credit="motion")],
                    reward=reward(), credit="per_stage")
-    with pytest.raises(ValueError, match=r"stage 'i2v': credit 'speed' is not a reward term; the reward's terms are "
-                                         r"\['colour', 'colour/distance', 'motion', 'motion/displacement'\]"):
+    with pytest.raises(ValueError, match=r"stage 'i2v': credit needs a reward term for 'speed', but the reward's "
+                                         r"terms are \['colour', 'colour/distance', 'motion', 'motion/displacement'\]"):
         WorkflowRL(ModelCard(workflow_experts()), [Stage("t2i", frames=1, credit="colour"),
                                                    Stage("i2v", frames=5, credit="speed")],
                    reward=reward(), credit="per_stage")
@@ -156,7 +160,7 @@ def test_refiners_can_be_the_first_stage():
     stages = [Stage("refine", kind="refiners", max_new_tokens=3),
               Stage("t2i", sampler=FlowMatchSampler(num_steps=2), frames=1, height=16, width=16),
               Stage("i2v", sampler=FlowMatchSampler(num_steps=2), frames=5, height=16, width=16)]
-    model = WorkflowRL(card, stages, reward=reward(), num_samples_per_prompt=2, timestep_fraction=1.0)
+    model = WorkflowRL(card, stages, reward=reward(), grpo=GRPOArgs(num_samples_per_prompt=2, timestep_fraction=1.0))
     c2 = C2Check(every_n_iterations=1, tolerance=1e-5)
     quick_trainer(2, callbacks=[c2]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
     versions = model.card.versions

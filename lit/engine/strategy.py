@@ -7,8 +7,8 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
   process only ever holds its shard), stored weights filled module by module, through ``card.build(build_expert=...)``;
 - in ``configure_ddp`` gives each sharded expert its own ``deepspeed.initialize`` engine — its own
   optimizer and scheduler from the card, ZeRO stage 2/3, optional CPU offload, fp32/bf16, all from
-  ``Expert.zero`` — and puts the engine back on the card (``card.models[name]``), so methods call it
-  like the model;
+  ``Expert.zero`` — kept here (``engines``); the card's model stays the model, and the card runs its forward
+  through the engine (``card.route``: DeepSpeed's forward registers the backward hooks its optimizer needs);
 - keeps every other parameter under DDP (the engines' parameters are listed in
   ``_ddp_params_and_buffers_to_ignore``; nothing is wrapped when no trainable parameter is left);
 - routes ``ExpertModule.backward_experts`` / ``_step_one`` through the engines (``expert_backward``,
@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from posttrain.lit.engine.checkpoint_io import storage_meta
+from posttrain.lit.engine.resume import check_signature
 from posttrain.modules import checkpoints as ckpt
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
@@ -75,6 +76,9 @@ class ShardedExpertsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
+        if self.root_device.type == "cpu":
+            # DeepSpeed probes for an accelerator when imported and warns that it fell back to the CPU: say so instead
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         if self.root_device.type == "cpu":
@@ -154,7 +158,7 @@ class ShardedExpertsStrategy(DDPStrategy):
             except Exception as err:  # DeepSpeed raises AssertionError/ValueError/pydantic errors
                 raise ValueError(f"DeepSpeed rejected the ZeRO config of expert {name!r} ({spec.zero}): "
                                  f"{type(err).__name__}: {err}. Fix `zero:` of that expert.") from err
-            card.models[name] = engine
+            card.route(name, engine)
             self.engines[name] = engine
 
         # DDP for the rest: the engines reduce their own gradients.
@@ -227,14 +231,15 @@ class ShardedExpertsStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         destination = str(filepath)
         temp = ckpt.temp_path(destination, self.broadcast(ckpt.new_token() if self.is_global_zero else None))
-        if self.is_global_zero:
-            os.makedirs(temp)
+        with self._all_or_none(temp, destination):
+            if self.is_global_zero:  # with every folder DeepSpeed would create: it writes nothing before its files
+                for name in self.trained_engines:
+                    os.makedirs(os.path.join(temp, name, TAG))
         self.barrier("sharded_checkpoint_dir")
         ckpt.fault_point("write:start")
         meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
         with self._all_or_none(temp, destination):
-            for name, engine in self.trained_engines.items():
-                engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+            self._save_engines(temp)
         ckpt.fault_point("write:shards")
         hashed: dict[str, dict] = {}
         with self._all_or_none(temp, destination):
@@ -245,9 +250,11 @@ class ShardedExpertsStrategy(DDPStrategy):
                     json.dump(meta, f, indent=1)
         ckpt.fault_point("write:state")
         # every process hashes and fsyncs a share of the files (the shards are most of the bytes)
-        files = [rel for rel in ckpt.files_under(temp) if rel != ckpt.STATE]
-        mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
-                for rel in files[self.global_rank::self.world_size]}
+        mine: dict[str, dict] = {}
+        with self._all_or_none(temp, destination):
+            files = [rel for rel in ckpt.files_under(temp) if rel != ckpt.STATE]
+            mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
+                    for rel in files[self.global_rank::self.world_size]}
         shares: list = [None] * self.world_size
         dist.all_gather_object(shares, mine)
         with self._all_or_none(temp, destination):
@@ -258,21 +265,42 @@ class ShardedExpertsStrategy(DDPStrategy):
                             meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
                                   "world_size": self.world_size, **(storage_meta(storage_options) or {})})
 
+    def _save_engines(self, temp: str) -> None:
+        """Every trained engine's ``save_checkpoint`` into ``temp``. A write that fails there (its files are written
+        between DeepSpeed's collectives: two barriers and the tag check before, a barrier after) leaves the
+        closing barrier, which the processes that wrote wait at: the failed one joins it, so that every process
+        then reaches the same agreement (``_all_or_none``)."""
+        failure: Optional[Exception] = None
+        for name, engine in self.trained_engines.items():
+            try:
+                engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+            except Exception as err:
+                dist.barrier()
+                failure = failure or err
+        if failure is not None:
+            raise failure
+
     @contextlib.contextmanager
     def _all_or_none(self, temp: str, destination: str) -> Iterator[None]:
-        """One phase of a save, then agreement: if any process failed to write (a full disk), all of them stop
-        with the same message and rank 0 removes the temporary folder (earlier checkpoints and ``last`` stay)."""
-        failure: Optional[OSError] = None
+        """One phase of a save, then agreement: if any process failed (a full disk, a file-size limit, anything —
+        torch's zip writer raises RuntimeError, DeepSpeed its own), all of them stop with the same message, naming
+        the process and the cause, and rank 0 removes the temporary folder (earlier checkpoints and ``last``
+        stay)."""
+        failure: Optional[tuple[str, str]] = None  # (cause, fix), told by the process that failed
         try:
             yield
-        except OSError as err:
-            failure = err
-        if not self.reduce_boolean_decision(failure is not None, all=False):
+        except Exception as err:
+            failure = ckpt.failure_of(err, destination)
+        failures: list = [None] * self.world_size
+        dist.all_gather_object(failures, failure)
+        failed = [(rank, told) for rank, told in enumerate(failures) if told is not None]
+        if not failed:
             return
         if self.is_global_zero:
             shutil.rmtree(temp, ignore_errors=True)
-        reason = (failure.strerror or str(failure)) if failure is not None else "another process could not write"
-        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason))
+        rank, (reason, fix) = failed[0]
+        where = f" on process {rank}" if self.world_size > 1 else ""
+        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason, fix, where))
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
@@ -305,8 +333,6 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     def check_resumable(self, checkpoint: dict, path: str) -> None:
         """Refuse, before anything loads, a checkpoint of other experts, other ZeRO stages or world size."""
-        from posttrain.lit.base import check_signature
-
         card = self._card()
         if "posttrain" in checkpoint:
             check_signature(checkpoint["posttrain"]["signature"], card.signature())

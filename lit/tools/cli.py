@@ -1,11 +1,13 @@
-"""The ``posttrain`` command: LightningCLI (``fit``, ``validate``, ``predict``) plus ``export``, ``estimate`` and
-``preprocess``.
+"""The ``posttrain`` command: LightningCLI (``fit``, ``validate``, ``predict``) plus ``export``, ``estimate``,
+``preprocess``, ``reward`` and ``serve-reward``.
 
     posttrain fit --config configs/finetune.yaml
     posttrain fit --config configs/finetune.yaml --ckpt_path last      # resume (same W&B run)
     posttrain predict --config configs/finetune.yaml --ckpt_path last
     posttrain export --ckpt runs/finetune/checkpoints/last.ckpt --out exported/finetune
     posttrain preprocess --config configs/finetune.yaml --out runs/precomputed   # encode the data once
+    posttrain reward --config configs/flow_grpo.yaml --out runs/reward_check     # check a reward before training
+    posttrain serve-reward --reward SyntheticGenEvalReward --port 8000           # a reward for RemoteReward
 
 What a config means beyond LightningCLI (run folder, video size, W&B runs, ``--preset tiny``) is in
 ``lit/tools/config.py``; this file adds:
@@ -30,10 +32,12 @@ from jsonargparse import ArgumentParser
 from posttrain.lit.tools import estimate as estimate_tool
 from posttrain.lit.tools import export as export_tool
 from posttrain.lit.tools import preprocess as preprocess_tool
+from posttrain.lit.tools import reward as reward_tool
+from posttrain.lit.tools import serve_reward as serve_reward_tool
 from posttrain.lit.tools.config import PosttrainCLI
 
 SUBCOMMANDS = ("fit", "validate", "predict")
-TOOLS = ("export", "estimate", "preprocess")
+TOOLS = ("export", "estimate", "preprocess", "reward", "serve-reward")
 
 
 class CommandLine(PosttrainCLI):
@@ -42,7 +46,8 @@ class CommandLine(PosttrainCLI):
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
         for name, parser_of in (("export", export_parser), ("estimate", estimate_parser),
-                                ("preprocess", preprocess_parser)):
+                                ("preprocess", preprocess_parser), ("reward", reward_parser),
+                                ("serve-reward", serve_reward_parser)):
             tool = parser_of()
             parser._subcommands_action.add_subcommand(name, tool, help=tool.description.splitlines()[0])
 
@@ -67,6 +72,21 @@ def preprocess_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="posttrain preprocess", description=preprocess.__doc__, exit_on_error=False)
     parser.add_function_arguments(preprocess, as_positional=False)
     return parser
+
+
+def function_parser(function, prog: str) -> ArgumentParser:
+    """A tool's parser: its function's typed arguments, its docstring as ``--help``."""
+    parser = ArgumentParser(prog=prog, description=function.__doc__, exit_on_error=False)
+    parser.add_function_arguments(function, as_positional=False)
+    return parser
+
+
+def reward_parser() -> ArgumentParser:
+    return function_parser(reward_tool.reward, "posttrain reward")
+
+
+def serve_reward_parser() -> ArgumentParser:
+    return function_parser(serve_reward_tool.serve_reward, "posttrain serve-reward")
 
 
 # ---------------------------------------------------------------------- errors a user can act on
@@ -106,6 +126,8 @@ def condense(message: str) -> str:
             line = (f"class_path {name!r} is not a class posttrain knows by that name: give its full import path "
                     f"(e.g. `diffusers.{name}`, `torch.optim.{name}`, `posttrain.modules.rewards.{name}`)")
         line = re.sub(r"Expected a <class '(\w+)'>\. Got value: (.*)$", r"expected type \1, got \2", line)
+        # a link's own check (one video size): its message, without the link's arguments dumped around it
+        line = re.sub(r"^.*Call to compute_fn of link '[^']*' with args \(.*\) failed: ", "", line)
         lines.append(line.strip().lstrip("- ").strip())
     seen, kept = set(), []
     for line in lines:
@@ -171,6 +193,10 @@ def main(args: Optional[list[str]] = None) -> None:
     debug = bool(os.environ.get("POSTTRAIN_DEBUG"))
     quiet_dependencies()
     command = argv[0] if argv and not argv[0].startswith("-") else "posttrain"
+    if command in ("export", "estimate"):
+        # their DeepSpeed code is CPU-side (ZeRO shards gathered into full weights, memory formulas): say so, instead
+        # of DeepSpeed probing for an accelerator when imported and warning that it fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         if command == "export":
             print(export_tool.export(**export_parser().parse_args(argv[1:]).as_dict()))
@@ -180,6 +206,13 @@ def main(args: Optional[list[str]] = None) -> None:
             return
         if command == "estimate":
             print(estimate_tool.estimate(**estimate_parser().parse_args(argv[1:]).as_dict()))
+            return
+        if command == "reward":
+            print(reward_tool.reward(**reward_parser().parse_args(argv[1:]).as_dict()))
+            return
+        if command == "serve-reward":
+            parser = serve_reward_parser()
+            serve_reward_tool.serve_reward(**parser.instantiate_classes(parser.parse_args(argv[1:])).as_dict())
             return
         # LightningCLI reads sys.argv itself (given both it warns); Lightning's launcher re-runs sys.argv for the other
         # processes. A call with `args` therefore runs as if they were the command line.

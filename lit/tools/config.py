@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from typing import Any, Literal, Optional
@@ -26,6 +27,8 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 import posttrain.callbacks  # noqa: F401  (short class names in YAML: SampleVideos, C2Check, ...)
 import posttrain.datamodules  # noqa: F401
 import posttrain.lit  # noqa: F401  (the methods, for `model: {class_path: Finetune}`)
+import posttrain.modules.preference  # noqa: F401  (short reward names: `reward: {class_path: PickScore}`, ...)
+import posttrain.modules.remote  # noqa: F401  (`reward: {class_path: RemoteReward}`)
 from posttrain.callbacks.progress import ExpertSummary, IterationProgressBar
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules import presets
@@ -73,13 +76,19 @@ class PosttrainCLI(LightningCLI):
                 "predict": {"model", "dataloaders", "datamodule"}}
 
     def add_arguments_to_parser(self, parser) -> None:
-        # one video size: a video datamodule takes the method's (datamodules without the option are left alone)
-        for key in ("frames", "height", "width"):
-            parser.link_arguments(f"model.init_args.run.{key}", f"data.init_args.{key}")
+        # one video size: a datamodule with frames/height/width takes the method's (others are left alone)
+        for key in VIDEO_SIZE:
+            parser.link_arguments(("model.init_args.run", "data"), f"data.init_args.{key}", compute_fn=run_size(key))
         parser.add_argument("--preset", type=Optional[Literal["tiny"]], default=None,
                             help="tiny: run a real-model recipe at the embedded default's size — every expert from "
                                  "its tiny preset (the pretrained world's weights where an asset is shipped, no "
                                  "recipe weights read), one CPU process, the default video size")
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI reads a single-file ``ckpt_path`` itself, unverified, for hyper-parameters saved in it. A
+        posttrain method saves none (the config is the YAML), so the checkpoint is read once, by the strategy
+        through the one verified loader (``posttrain.modules.checkpoints.load``), which names a refused file in
+        its own words."""
 
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")  # None when built with run=False
@@ -96,6 +105,48 @@ class PosttrainCLI(LightningCLI):
         if config.get("enable_model_summary", True) is not False:
             extra.append(ExpertSummary())
         return self._instantiate_trainer(config, extra)
+
+
+# ---------------------------------------------------------------------- one video size
+VIDEO_SIZE = ("frames", "height", "width")
+
+
+def run_size(key: str):
+    """The link ``model.init_args.run.<key> --> data.init_args.<key>``. jsonargparse replaces a linked init
+    argument of a subclass silently, even one the YAML or the command line gives; so a data size other than both
+    the run's and the datamodule's own default (it can only have been written there) is refused, with both named."""
+    def video_size_of_run(run, data):
+        size = _run_video_size(run)
+        args = data.get("init_args") if data is not None else None
+        given = {k: args[k] for k in VIDEO_SIZE if args is not None and args.get(k) is not None}
+        defaults = _signature_defaults(data.class_path) if given else {}
+        conflicts = [k for k, v in given.items() if v != size[k] and v != defaults.get(k)]
+        if conflicts:
+            data_side = ", ".join(f"data.init_args.{k}={given[k]}" for k in conflicts)
+            run_side = ", ".join(f"model.init_args.run.{k}={size[k]}" for k in conflicts)
+            raise ValueError(f"{data_side} but {run_side}: the video size is set once, on the method, and the data "
+                             f"follows it; drop {', '.join(f'data.init_args.{k}' for k in conflicts)} and set "
+                             f"{', '.join(f'model.init_args.run.{k}' for k in conflicts)} to the size you want")
+        return size[key]
+    video_size_of_run.__name__ = f"run_{key}"  # `--help` lists the link as run_frames(model.init_args.run, data)
+    return video_size_of_run
+
+
+def _run_video_size(run) -> dict[str, int]:
+    """(frames, height, width) of ``model.init_args.run`` as the parser holds it: None (``RunArgs``' defaults), or
+    the dataclass as its fields or as ``{class_path, init_args}``."""
+    default = RunArgs()
+    fields = {} if run is None else run.get("init_args", run)
+    return {k: fields.get(k, getattr(default, k)) for k in VIDEO_SIZE}
+
+
+def _signature_defaults(class_path: str) -> dict[str, Any]:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return {k: p.default for k, p in inspect.signature(cls).parameters.items() if k in VIDEO_SIZE}
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
 
 
 # ---------------------------------------------------------------------- --preset tiny
@@ -124,6 +175,8 @@ def apply_tiny_preset(config) -> None:
         default = RunArgs()
         still = args(run).get("frames") == 1  # an image generator stays one frame
         assign(args(run), frames=1 if still else default.frames, height=default.height, width=default.width)
+        data = args(config.data) if config.get("data") is not None else {}
+        assign(data, **{k: getattr(args(run), k) for k in VIDEO_SIZE if data.get(k) is not None})  # still one size
     assign(config.trainer, accelerator="cpu", devices=1, num_nodes=1, precision="32-true")
     if isinstance(config.trainer.get("strategy"), str):
         config.trainer.strategy = "auto"

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -44,15 +43,10 @@ from torch import nn
 
 from posttrain.lit.tools.config import instantiate_part, parse
 from posttrain.modules import presets
-from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.cards import Expert, ModelCard, dtype_of
+from posttrain.modules.generators.base import TrainingForward
 
 GIB = 2**30
-
-# per architecture: the config key(s) that count identical layers (activations are traced with 1 and 2)
-LAYER_KEYS: dict[str, tuple[str, ...]] = {
-    "wan_t2v": ("num_layers",), "wan_i2v": ("num_layers",), "wan_t2v_causal": ("num_layers",),
-    "qwen2": ("num_hidden_layers",), "flux": ("num_layers", "num_single_layers"),
-}
 
 
 @dataclass
@@ -199,6 +193,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             components.append(ComponentMemory(name, card.specs[of].arch, f"{of} with adapter off", 0, 0,
                                               notes=["no memory of its own (LoRA reference)"]))
 
+    components += reward_memory(getattr(method, "reward", None))
+
     # 3. activations of the trainable experts' training forward
     if activations:
         for c in components:
@@ -215,6 +211,19 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
     if autocast is not None:
         rows_note += f", {autocast} autocast"
     return MemoryEstimate(config, devices, num_nodes, components, rows_note)
+
+
+def reward_memory(reward: Any) -> list[ComponentMemory]:
+    """One row per model a local reward holds (PickScore, HPSv2.1, the aesthetic predictor, CLIPScore): frozen
+    weights in their dtype, no gradients, no optimizer state; a ``RemoteReward`` holds none here."""
+    from posttrain.modules.preference import reward_models
+
+    rows = []
+    for name, model in reward_models(reward).items():
+        params = list(model.parameters())
+        rows.append(ComponentMemory(name, type(model).__name__, "frozen reward", _numel(params), 0,
+                                    param_bytes=sum({id(p): p.numel() * p.element_size() for p in params}.values())))
+    return rows
 
 
 def lightning_precision(precision: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
@@ -249,28 +258,10 @@ def _data_batch_size(cfg) -> int:
 
 # ---------------------------------------------------------------------- meta models
 def meta_model(spec: Expert) -> nn.Module:
-    """``spec``'s model on the meta device: the preset (with overrides), a trained asset's or a pretrained
-    folder's config; no weight is read or allocated."""
-    cls = presets.model_class(spec.arch)
-    source = spec.pretrained or (presets.TRAINED_ASSETS.get(spec.arch) if not spec.preset else None)
-    with torch.device("meta"):
-        if source is not None:
-            kwargs = {"subfolder": spec.subfolder} if spec.subfolder else {}
-            if hasattr(cls, "load_config"):  # diffusers
-                model = cls.from_config(cls.load_config(source, local_files_only=not os.path.isdir(source), **kwargs))
-            else:  # transformers
-                model = cls(cls.config_class.from_pretrained(source, local_files_only=not os.path.isdir(source),
-                                                             **kwargs))
-        else:
-            model = presets.build_model(spec.arch, preset=spec.preset)
-        if spec.dtype != "float32":  # as from_pretrained(torch_dtype=...): its float32 modules stay float32
-            model = presets.cast(model, torch.bfloat16)
-        if spec.lora is not None:
-            from peft import LoraConfig as PeftLoraConfig
-
-            model.requires_grad_(False)
-            model.add_adapter(PeftLoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha,
-                                             target_modules=spec.lora.target_modules, init_lora_weights=True))
+    """``spec``'s model on the meta device (``presets.build_model(device="meta")``): the preset (with overrides), a
+    trained asset's or a pretrained folder's config; no weight is read or allocated."""
+    model = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset, dtype_of(spec.dtype),
+                                lora=spec.lora, device="meta")
     if not spec.trainable:
         model.requires_grad_(False)
     return model
@@ -394,14 +385,19 @@ def deepspeed_estimate(spec: Expert, model: nn.Module, world: int, devices: Opti
 # ---------------------------------------------------------------------- activations
 def activation_rows(method, data_batch: int, micro: bool = True) -> tuple[int, str]:
     """Rows of one training forward of the generator, and how they were counted (``micro``: at most the
-    method's ``micro_batch_size``, which only the generator's forward follows)."""
-    K = getattr(method, "num_samples_per_prompt", None)
-    if K is None:
+    method's ``grpo.micro_batch_size``, which only the generator's forward follows)."""
+    grpo = getattr(method, "grpo", None)
+    if grpo is None:
         return data_batch, f"{data_batch} rows (data batch) per training forward"
-    minibatches = getattr(method, "num_minibatches", 1)
+    K, minibatches = grpo.num_samples_per_prompt, grpo.num_minibatches
     rows = math.ceil(data_batch * K / minibatches)
-    micro = getattr(method, "micro_batch_size", None) if micro else None
-    cfg = getattr(method, "guidance_scale", 1.0) not in (None, 1.0)
+    micro = grpo.micro_batch_size if micro else None
+    # a PPO update recomputes each trained step through the rollout sampler, CFG included; DiffusionNFT's update is
+    # a plain forward of the policy
+    from posttrain.lit.diffusion_nft import DiffusionNFT
+
+    sampler = getattr(method, "rollout_sampler", None)
+    cfg = sampler is not None and sampler.guidance_scale != 1.0 and not isinstance(method, DiffusionNFT)
     text = f"{data_batch} prompts x K={K}" + (f" / {minibatches} minibatches" if minibatches > 1 else "")
     if micro is not None and micro < rows:
         rows, text = micro, text + f", in micro-batches of {micro}"
@@ -425,8 +421,8 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Opt
                      autocast: Optional[torch.dtype] = None) -> tuple[Optional[int], str]:
     """Bytes saved for backward by one training forward of ``spec``'s model at ``rows`` rows, extrapolated
     from fake-tensor traces with 1 and 2 layers; ``(None, why)`` where no input recipe exists."""
-    keys = LAYER_KEYS.get(spec.arch)
-    if keys is None:
+    keys = presets.architecture(spec.arch).layer_keys
+    if not keys:
         return None, f"activations not estimated for arch {spec.arch!r}"
     config = meta_model(spec).config
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -463,19 +459,15 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
     """Distinct non-parameter storages saved for backward by one forward, traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    shapes = _input_shapes(spec.arch, config, card, method, rows)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+    shapes = input_shapes(spec.arch, config, card, method, rows)
+    dtype = dtype_of(spec.dtype)
     if spec.sharded:  # the engine's precision; Lightning's does not apply
         dtype, autocast = (torch.bfloat16 if spec.zero.precision == "bf16" else torch.float32), None
     elif cast is not None:
         dtype = cast
-    cls = presets.model_class(spec.arch)
     checkpointing = spec.gradient_checkpointing if checkpointing is None else checkpointing
     with FakeTensorMode(), _default_dtype(dtype):
-        if hasattr(cls, "load_config"):
-            model = cls.from_config(config)
-        else:
-            model = cls(cls.config_class.from_dict(config))
+        model = presets.build_model(spec.arch, config=config, weights="init")
         if checkpointing:
             if hasattr(model, "enable_gradient_checkpointing"):
                 model.enable_gradient_checkpointing()
@@ -498,29 +490,17 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
     return sum(saved.values())
 
 
-def _input_shapes(arch: str, config: dict, card: ModelCard, method, rows: int) -> dict[str, tuple]:
-    """Shapes of one training forward's inputs (from the meta card; no tensor is made here)."""
-    if arch in ("wan_t2v", "wan_i2v", "wan_t2v_causal"):
-        if "vae" not in card.models:
-            raise ValueError("estimate: the generator's latent size needs the card's `vae`")
-        _, f, h, w = method.stage.latent_shape(method.video)
-        return dict(hidden_states=(rows, config["in_channels"], f, h, w), timestep=(rows,),
-                    encoder_hidden_states=(rows, card.text_max_length, config["text_dim"]))
-    if arch == "flux":  # FluxPipeline's packed 2x2 latent tokens, T5 states, CLIP pooled, position ids
-        if "vae" not in card.models:
-            raise ValueError("estimate: the generator's latent size needs the card's `vae`")
-        _, _, h, w = method.stage.latent_shape(method.video)
-        tokens, length = (h // 2) * (w // 2), card.text_max_length
-        shapes = dict(hidden_states=(rows, tokens, config["in_channels"]), timestep=(rows,),
-                      encoder_hidden_states=(rows, length, config["joint_attention_dim"]),
-                      pooled_projections=(rows, config["pooled_projection_dim"]), img_ids=(tokens, 3),
-                      txt_ids=(length, 3))
-        if config.get("guidance_embeds"):
-            shapes["guidance"] = (rows,)
-        return shapes
-    if arch == "qwen2":
-        return dict(input_ids=(rows, card.text_max_length + getattr(method, "max_new_tokens", 0)))
-    raise ValueError(f"no activation inputs for arch {arch!r}")
+def input_shapes(arch: str, config: dict, card: ModelCard, method, rows: int) -> dict[str, tuple]:
+    """Shapes of one training forward's inputs, from the architecture (a generator's adapter) at the method's
+    size (from the meta card; no tensor is made here)."""
+    architecture = presets.architecture(arch)
+    if architecture.adapter is None:  # an LM: its prompt and the tokens it generates
+        forward = TrainingForward(rows, card.text_max_length + getattr(method, "max_new_tokens", 0))
+        return architecture.training_inputs(config, forward)
+    if method.stage.vae not in card.models:
+        raise ValueError(f"estimate: the generator's latent size needs the card's `{method.stage.vae}`")
+    forward = TrainingForward(rows, card.text_max_length, method.stage.latent_shape(method.video), method.stage)
+    return architecture.training_inputs(config, forward)
 
 
 def _inputs(shapes: dict[str, tuple], dtype: torch.dtype) -> dict:

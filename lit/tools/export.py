@@ -27,7 +27,8 @@ from typing import Any, Literal, Optional
 import torch
 
 from posttrain.modules import checkpoints, presets
-from posttrain.modules.generators import ADAPTERS, wan21_image_processor
+from posttrain.modules.cards import dtype_of
+from posttrain.modules.generators import ADAPTERS
 
 
 def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = True,
@@ -63,7 +64,7 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         raise ValueError(f"export: checkpoint has no component {name!r}; --expert is one of {sorted(meta['configs'])}")
     if stages is not None:
         serving = stages.get(name, {})
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = dtype_of(dtype)
     model = parts.model(name)
     adapter = ADAPTERS.get(parts.arch(name))
     lora_layers = None
@@ -83,17 +84,15 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         if lora_layers is not None:
             _save_lora(adapter, out, lora_layers)
         return out
-    # the whole pipeline: the serving transformer with the card's VAE, text stack (and image encoder) and
-    # the run's scheduler, under the pipeline's component names (text_encoder, text_encoder_2, ...)
-    components = {"transformer": model, "vae": parts.model(serving.get("vae", "vae"))}
-    for i, encoder in enumerate(serving.get("text_encoders", adapter.text_encoders)):
-        suffix = "" if i == 0 else f"_{i + 1}"
-        components[f"text_encoder{suffix}"] = parts.model(encoder)
-        components[f"tokenizer{suffix}"] = presets.build_tokenizer(
-            parts.source(encoder)["tokenizer"], presets.tokenizer_length(parts.arch(encoder), parts.model(encoder).config))
-    if serving.get("image_encoder"):  # Wan 2.1 I2V: the CLIP vision encoder and its processor
-        components["image_encoder"] = parts.model(serving["image_encoder"])
-        components["image_processor"] = wan21_image_processor(components["image_encoder"])
+    # the whole pipeline: the serving transformer with the card's VAE, text stack (and image encoder) and the
+    # run's scheduler, under the pipeline's component names (the adapter's: text_encoder, tokenizer_2, ...)
+    encoders = serving.get("text_encoders", adapter.text_encoders)
+    text_encoders = [parts.model(encoder) for encoder in encoders]
+    tokenizers = [presets.tokenizer_of(parts.arch(encoder), parts.source(encoder)["tokenizer"], text_encoder.config)
+                  for encoder, text_encoder in zip(encoders, text_encoders)]
+    image_encoder = parts.model(serving["image_encoder"]) if serving.get("image_encoder") else None
+    components = adapter.pipeline_components(model, parts.model(serving.get("vae", "vae")),
+                                             list(zip(text_encoders, tokenizers)), image_encoder)
     for key, value in components.items():
         if isinstance(value, torch.nn.Module):
             presets.cast(value, torch_dtype)
@@ -143,26 +142,24 @@ class _Parts:
         return sources.get(self._of(name)) or {"arch": self.arch(name), "tokenizer": None, "lora": None}
 
     def lora(self, name: str) -> Optional[dict]:
-        return self.source(name).get("lora") if name == self._of(name) else None
+        """The LoRA adapter component ``name`` carries: a LoRA expert's and its role copies' (an EMA, an ``old``
+        copy: each carries its own adapter weights); a LoRA reference is the expert with its adapter off."""
+        role = self.meta["signature"].get(name, {}).get("role")
+        return None if role == "reference" else self.source(name).get("lora")
 
     def model(self, name: str) -> torch.nn.Module:
+        """Component ``name`` through the one model recipe (``presets.build_model``): its config and weights from the
+        checkpoint (with its LoRA adapter, if it carries one), or a frozen expert the checkpoint leaves out from
+        its own source."""
         prefix = f"card.models.{name}."
         state = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
-        cls = presets.model_class(self.arch(name))
         if not state:  # not in the checkpoint: the expert's own source (a frozen expert)
             source = self.source(name)
             return presets.build_model(source["arch"], source.get("pretrained"), source.get("subfolder"),
                                        source.get("preset") or None)
-        config = {k: v for k, v in self.meta["configs"][name].items() if not k.startswith("_")}
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class.from_dict(config))
-        lora = self.lora(name)
-        if lora is not None:
-            from peft import LoraConfig
-
-            model.add_adapter(LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
-                                         target_modules=lora["target_modules"]))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"export: {name!r} weights in {self.path!r} do not fit its class {cls.__name__}: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        try:
+            model = presets.build_model(self.arch(name), config=self.meta["configs"][name], weights=state,
+                                        lora=self.lora(name))
+        except ValueError as err:
+            raise ValueError(f"export: {name!r} in {self.path!r}: {err}") from err
         return model.eval()

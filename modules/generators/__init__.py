@@ -16,6 +16,10 @@ finetuning and the SDE are shared; an architecture that runs on another layout c
 | ``WanI2V`` | ``WanImageToVideoPipeline`` | + ``image_latents`` (B, T + C, F', h, w): first-frame mask (T = the VAE's temporal factor) and the VAE latents of [image, zeros]; + ``encoder_hidden_states_image`` (B, N, D') with a Wan 2.1 image encoder |
 | ``Flux`` | ``FluxPipeline`` | ``encoder_hidden_states`` (B, L, D) from T5, ``pooled_projections`` (B, D) from CLIP, ``guidance`` (B,) for guidance-distilled weights |
 
+Each family file declares its ``ARCHITECTURES`` (``base.Architecture``: class, preset, asset, adapter, …); this
+package imports every module in it and collects them, so a new family is one new file and no edit here:
+``ARCHITECTURES`` is every family's, ``ADAPTERS`` the adapter of each generator architecture.
+
 A ``GeneratorStage`` binds an adapter to the experts of a card (``transformer``, ``vae``, the text
 encoders, an image encoder, by name), so methods say ``stage.condition(prompts)``,
 ``stage.velocity("transformer_ema")`` or ``stage.decode(latents)`` and never name a component or call a
@@ -25,26 +29,47 @@ model themselves. Several stages can share one card under name prefixes (``t2i_t
 from __future__ import annotations
 
 import contextlib
+import importlib
+import pkgutil
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
 from posttrain.modules import vae as vae_codec
-from posttrain.modules.cards import ModelCard
 from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.generators.base import GeneratorAdapter, VideoSize, _unwrap
+from posttrain.modules.generators.base import Architecture, GeneratorAdapter, VideoSize
 from posttrain.modules.generators.flux import Flux, clip_pooled_embeds, t5_embeds
 from posttrain.modules.generators.wan import WanI2V, WanT2V, umt5_embeds, wan21_image_processor, wan_text_states, wan_tokens
 from posttrain.modules.samplers import FlowMatchSampler, Schedule, Trajectory, VelocityFn
 
-__all__ = ["ADAPTERS", "GeneratorAdapter", "GeneratorStage", "VideoSize", "WanT2V", "WanI2V", "Flux", "wan_tokens",
-           "wan_text_states", "umt5_embeds", "wan21_image_processor", "clip_pooled_embeds", "t5_embeds"]
+if TYPE_CHECKING:
+    from posttrain.modules.cards import ModelCard
 
-_WAN_T2V = WanT2V()
-# one adapter per architecture family: the block-causal Wan is driven like Wan T2V
-ADAPTERS: dict[str, GeneratorAdapter] = {"wan_t2v": _WAN_T2V, "wan_t2v_causal": _WAN_T2V, "wan_i2v": WanI2V(),
-                                         "flux": Flux()}
+__all__ = ["ADAPTERS", "ARCHITECTURES", "Architecture", "GeneratorAdapter", "GeneratorStage", "VideoSize", "WanT2V",
+           "WanI2V", "Flux", "wan_tokens", "wan_text_states", "umt5_embeds", "wan21_image_processor",
+           "clip_pooled_embeds", "t5_embeds"]
+
+
+def _families() -> dict[str, Architecture]:
+    """The ``ARCHITECTURES`` of every module of this package (one family per file), by name."""
+    found: dict[str, Architecture] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for name, arch in getattr(module, "ARCHITECTURES", {}).items():
+            if name in found:
+                raise ValueError(f"arch {name!r} is declared twice in modules/generators/ (again in {info.name}.py)")
+            adapter = arch.adapter
+            if adapter is not None and len(adapter.text_encoder_archs) != len(adapter.text_encoders):
+                raise ValueError(f"{info.name}.py: {type(adapter).__name__}.text_encoder_archs must name the arch of "
+                                 f"each of its text_encoders {adapter.text_encoders}")
+            found[name] = arch
+    return found
+
+
+ARCHITECTURES: dict[str, Architecture] = _families()
+ADAPTERS: dict[str, GeneratorAdapter] = {name: arch.adapter for name, arch in ARCHITECTURES.items()
+                                         if arch.adapter is not None}
 
 
 @dataclass
@@ -59,7 +84,8 @@ class GeneratorStage:
         image_encoder: a Wan 2.1 I2V transformer's CLIP vision expert; None = ``image_encoder`` when the
             card has one.
         embedded_guidance: the guidance value a guidance-distilled FLUX embeds (FluxPipeline's
-            ``guidance_scale``); ignored by weights without ``guidance_embeds``.
+            ``guidance_scale``); None = the adapter's default (``Flux.embedded_guidance``); ignored by weights
+            without ``guidance_embeds``.
     """
 
     card: ModelCard
@@ -67,7 +93,7 @@ class GeneratorStage:
     vae: str = "vae"
     text_encoders: Optional[tuple[str, ...]] = None
     image_encoder: Optional[str] = None
-    embedded_guidance: float = 3.5
+    embedded_guidance: Optional[float] = None
 
     def __post_init__(self):
         if self.image_encoder is None and self.card.has(self._prefix + "image_encoder"):
@@ -123,17 +149,12 @@ class GeneratorStage:
         if len(self.encoders) != len(wanted):
             problems.append(f"{type(self.adapter).__name__} ({self.transformer!r}) reads {len(wanted)} text encoders "
                             f"({', '.join(wanted)}), the stage names {list(self.encoders)}")
-        for role, name in zip(wanted, self.encoders):
+        for role, name, kind in zip(wanted, self.encoders, self.adapter.text_encoder_archs):
             if not self.card.has(name):
-                kind = {"flux": {"text_encoder": "clip", "text_encoder_2": "t5"}}.get(arch, {}).get(role, "umt5")
                 problems.append(f"the card has no {name!r}: {type(self.adapter).__name__} ({self.transformer!r}) reads "
                                 f"it as its {role}; add `{name}: {{arch: {kind}}}` to card.experts")
-        if arch == "flux":
-            kinds = [self.card.specs[n].arch for n in self.encoders if n in self.card.specs]
-            if len(kinds) == 2 and kinds != ["clip", "t5"]:
-                problems.append(f"Flux ({self.transformer!r}) reads a CLIP text encoder (pooled) then a T5 encoder; "
-                                f"{list(self.encoders)} are {kinds}: give `arch: clip` and `arch: t5`")
-        return problems
+        archs = [self.card.specs[n].arch for n in self.encoders if n in self.card.specs]
+        return problems + self.adapter.text_encoder_problems(self, archs)
 
     def peer_problems(self, name: str, role: str, trainable: bool, hint: str = "") -> list[str]:
         """Problems of another generator this stage runs by name (a teacher, a critic): on the card, driven by
@@ -194,7 +215,7 @@ class GeneratorStage:
         cache = self.adapter.new_cache(self.card[name])
         if cache is None:
             raise ValueError(f"sampler.chunk_frames samples chunk by chunk with a KV cache, but {name!r} "
-                             f"({type(_unwrap(self.card[name])).__name__}) is not block-causal: give it "
+                             f"({self.card[name].__class__.__name__}) is not block-causal: give it "
                              f"`arch: wan_t2v_causal`, or set sampler.chunk_frames: null")
         return cache
 
@@ -210,7 +231,7 @@ class GeneratorStage:
                uncond: Optional[Conditioning] = None, name: Optional[str] = None,
                exit_step: Optional[int] = None, **kwargs) -> Trajectory:
         """Denoise ``noise`` with component ``name`` through the one sampler (``kwargs``: ``sde``,
-        ``capture``, ``generator``, ``guidance_scale``). Without grad, except with ``exit_step=k``: the
+        ``capture``, ``rng``; the CFG scale is the sampler's). Without grad, except with ``exit_step=k``: the
         returned x̂0 of step k then carries the caller's grad (steps before it never do). With
         ``sampler.chunk_frames`` the model is block-causal and samples chunk by chunk through a fresh KV cache."""
         schedule = self.schedule(sampler, tuple(noise.shape[1:]), noise.device)

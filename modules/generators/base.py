@@ -1,11 +1,16 @@
-"""What every generator adapter is: the interface a family implements, and the video size.
+"""What a generator family provides: the adapter interface it implements, the architectures it registers, and
+the video size.
 
-A family file (``wan.py``, ``flux.py``, …) subclasses ``GeneratorAdapter`` after its diffusers pipeline.
+A family file (``wan.py``, ``flux.py``, ``sd3.py``, …) subclasses ``GeneratorAdapter`` after its diffusers
+pipeline and declares ``ARCHITECTURES``: name -> ``Architecture`` (the real class, its tiny preset, its shipped
+asset, its adapter, and what estimate, export and the card need to know of it). ``modules.generators`` collects
+the ``ARCHITECTURES`` of every module of the package and ``modules.presets`` adds the shared components (text
+encoders, VAEs, LMs): a new family is one new file here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 
@@ -14,6 +19,69 @@ from posttrain.modules.samplers import FlowMatchSampler
 
 if TYPE_CHECKING:
     from posttrain.modules.generators import GeneratorStage
+
+# ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model uses this
+# vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them; their width is TEXT_DIM, which
+# the tiny generators read as their text width.
+BYT5_VOCAB = 384
+TEXT_DIM = 32
+
+
+@dataclass(frozen=True)
+class TrainingForward:
+    """The size of one training forward, for ``posttrain estimate``'s activation trace: ``rows`` samples,
+    ``text_length`` tokens per prompt (``card.text_max_length``; an LM: prompt plus generated tokens), and for a
+    generator its ``latent_shape`` (C, F', h, w) and its ``stage`` (on the meta card: configs, no weights)."""
+
+    rows: int
+    text_length: int
+    latent_shape: Optional[tuple[int, ...]] = None
+    stage: Optional["GeneratorStage"] = None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture a card can build by name (``arch:``): a real diffusers/transformers class and what the
+    package must know of it.
+
+    Args:
+        cls: the model class (a diffusers ``ModelMixin`` or a transformers ``PreTrainedModel``).
+        preset: its constructor config, shrunk so the embedded default trains on a CPU in seconds.
+        kind: ``generator`` (driven by ``adapter``), ``vae``, ``text_encoder``, ``image_encoder`` or ``lm``.
+            Text encoders and LMs get a tokenizer on the card.
+        adapter: how a generator is driven (one instance may serve several architectures).
+        asset: ``modules/assets/<name>`` ships trained weights of exactly this preset, loaded when the expert has
+            no ``preset`` overrides.
+        causal: a block-causal generator (samples chunk by chunk through a KV cache: ``sampler.chunk_frames``).
+        layer_keys: the config keys that count identical blocks (estimate traces 1 and 2 of each kind).
+        tokenizer_length_key: the config key a tokenizer built for it pads to (``model_max_length``; CLIP's
+            position table), None for none.
+        inputs: a non-generator's training-forward input shapes, ``(config, TrainingForward) -> {name: shape}``
+            (a generator's come from its adapter).
+    """
+
+    cls: type
+    preset: dict[str, Any]
+    kind: Literal["generator", "vae", "text_encoder", "image_encoder", "lm"]
+    adapter: Optional["GeneratorAdapter"] = None
+    asset: bool = False
+    causal: bool = False
+    layer_keys: tuple[str, ...] = ()
+    tokenizer_length_key: Optional[str] = None
+    inputs: Optional[Callable[[dict, TrainingForward], dict[str, tuple]]] = field(default=None, repr=False)
+
+    @property
+    def tokenized(self) -> bool:
+        return self.kind in ("text_encoder", "lm")
+
+    def training_inputs(self, config: dict, forward: TrainingForward) -> dict[str, tuple]:
+        """Shapes of one training forward's inputs (keyword -> shape; ``input_ids`` are integers, ``timestep`` a
+        timestep, the rest floats)."""
+        if self.adapter is not None:
+            return self.adapter.training_inputs(config, forward)
+        if self.inputs is not None:
+            return self.inputs(config, forward)
+        raise ValueError(f"no training-forward inputs are known for a {self.cls.__name__}")
 
 
 @dataclass(frozen=True)
@@ -27,13 +95,8 @@ class VideoSize:
     width: int = 32
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DeepSpeed engine (``lit.engine.strategy`` puts engines on the card)."""
-    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
-
-
 def _config(model: torch.nn.Module):
-    return _unwrap(model).config
+    return model.config
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype:
@@ -45,8 +108,20 @@ class GeneratorAdapter:
 
     #: text-encoder experts the architecture reads, in the pipeline's order (``text_encoder``, ``text_encoder_2``)
     text_encoders: tuple[str, ...] = ("text_encoder",)
+    #: the ``arch`` of each of them (what a card must give, and what a start-up message suggests); every family sets it
+    text_encoder_archs: tuple[str, ...] = ()
+    #: the text encoders in words, for a message about them
+    reads: str = "its text encoders"
     #: whether the conditioning holds an image (the first frame of the video to generate)
     takes_image: bool = False
+
+    def text_encoder_problems(self, stage: "GeneratorStage", archs: list[str]) -> list[str]:
+        """Problems of the stage's text encoders, whose ``arch`` are ``archs`` (in the order of ``text_encoders``)."""
+        if len(archs) != len(self.text_encoder_archs) or list(archs) == list(self.text_encoder_archs):
+            return []
+        give = " and ".join(f"`arch: {arch}`" for arch in self.text_encoder_archs)
+        return [f"{type(self).__name__} ({stage.transformer!r}) reads {self.reads}; {list(stage.encoders)} are "
+                f"{list(archs)}: give {give}"]
 
     def text(self, stage: "GeneratorStage", prompts: list[str]) -> dict[str, torch.Tensor]:
         """The text part of the conditioning of ``prompts`` (rows cached by encoder version and prompt)."""
@@ -67,7 +142,7 @@ class GeneratorAdapter:
 
     def new_cache(self, transformer: torch.nn.Module):
         """An empty KV cache of a block-causal ``transformer`` (chunked sampling); None if it has none."""
-        new_cache = getattr(_unwrap(transformer), "new_cache", None)
+        new_cache = getattr(transformer, "new_cache", None)
         return new_cache() if callable(new_cache) else None
 
     def latent_shape(self, transformer: torch.nn.Module, vae: torch.nn.Module, size: VideoSize) -> tuple[int, ...]:
@@ -77,9 +152,28 @@ class GeneratorAdapter:
         """What the pipeline passes to ``scheduler.set_timesteps`` besides the step count."""
         return {}
 
+    def training_inputs(self, config: dict, forward: "TrainingForward") -> dict[str, tuple]:
+        """Shapes of the transformer's inputs in one training forward (``forward.latent_shape`` latents, as the
+        velocity call passes them), for ``posttrain estimate``; nothing is allocated."""
+        raise NotImplementedError
+
     def pipeline_class(self) -> type:
         """The diffusers pipeline that serves this architecture (what export writes a folder for)."""
         raise NotImplementedError
+
+    def pipeline_components(self, transformer: torch.nn.Module, vae: torch.nn.Module,
+                            text_encoders: list[tuple[torch.nn.Module, Any]],
+                            image_encoder: Optional[torch.nn.Module] = None) -> dict:
+        """The pipeline's components but the scheduler: ``text_encoders`` as (model, tokenizer) pairs, in the
+        order of ``text_encoders``, under the pipeline's names (``text_encoder``, ``tokenizer``,
+        ``text_encoder_2``, ``tokenizer_2``, …)."""
+        if image_encoder is not None:
+            raise ValueError(f"{type(self).__name__} takes no image encoder")
+        components = {"transformer": transformer, "vae": vae}
+        for i, (encoder, tokenizer) in enumerate(text_encoders):
+            suffix = "" if i == 0 else f"_{i + 1}"
+            components[f"text_encoder{suffix}"], components[f"tokenizer{suffix}"] = encoder, tokenizer
+        return components
 
     def pipeline(self, components: dict):
         """The pipeline object of exported ``components`` (transformer, vae, text_encoder[_2], tokenizer[_2],

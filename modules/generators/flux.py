@@ -1,12 +1,17 @@
 """FLUX text-to-image (``FluxPipeline``)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+from diffusers import FluxTransformer2DModel
 
 from posttrain.modules import vae as vae_codec
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.generators.base import GeneratorAdapter, _config, _dtype
+from posttrain.modules.generators.base import TEXT_DIM, Architecture, GeneratorAdapter, _config, _dtype
+
+if TYPE_CHECKING:
+    from posttrain.modules.cards import ModelCard
 
 
 def clip_pooled_embeds(tokenizer, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
@@ -42,6 +47,10 @@ class Flux(GeneratorAdapter):
     The σ grid is the pipeline's: ``linspace(1, 1/N, N)`` shifted by ``mu`` of the token count."""
 
     text_encoders = ("text_encoder", "text_encoder_2")
+    text_encoder_archs = ("clip", "t5")
+    reads = "a CLIP text encoder (pooled) then a T5 encoder"
+    # what guidance-distilled weights embed unless the stage says otherwise: FluxPipeline's default guidance_scale
+    embedded_guidance = 3.5
 
     def pipeline_class(self):
         # imported on use: the FLUX pipeline module imports transformers' image processors
@@ -61,7 +70,8 @@ class Flux(GeneratorAdapter):
     def extra(self, stage, batch_size):
         if not _config(stage.card[stage.transformer]).guidance_embeds:
             return {}
-        return {"guidance": torch.full((batch_size,), float(stage.embedded_guidance))}
+        value = self.embedded_guidance if stage.embedded_guidance is None else stage.embedded_guidance
+        return {"guidance": torch.full((batch_size,), float(value))}
 
     @staticmethod
     def pack(x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +103,10 @@ class Flux(GeneratorAdapter):
     def pipeline_call(self, serving):
         # FluxPipeline's `guidance_scale` is the embedded guidance; classifier-free guidance is `true_cfg_scale`
         # with a negative prompt (the empty prompt, as here)
-        cfg = serving["guidance_scale"]
+        cfg, embedded = serving["guidance_scale"], serving.get("embedded_guidance")
         call = {"num_inference_steps": serving["num_inference_steps"], "max_sequence_length": serving["max_sequence_length"],
                 "height": serving["height"], "width": serving["width"],
-                "guidance_scale": serving.get("embedded_guidance", 3.5)}
+                "guidance_scale": self.embedded_guidance if embedded is None else embedded}
         return call | ({"true_cfg_scale": cfg, "negative_prompt": ""} if cfg != 1.0 else {})
 
     def latent_shape(self, transformer, vae, size):
@@ -104,6 +114,18 @@ class Flux(GeneratorAdapter):
             raise ValueError(f"video size: frames={size.frames}, but FLUX makes images: set frames: 1")
         # the latents are packed in 2×2 patches: H and W multiples of 2 × the VAE's factor (FluxPipeline.check_inputs)
         return vae_codec.latent_shape(vae, 1, size.height, size.width, patch=(2, 2))
+
+    def training_inputs(self, config, forward):
+        # FluxPipeline's packed 2x2 latent tokens, T5 states, CLIP pooled, position ids
+        _, _, h, w = forward.latent_shape
+        tokens, length, rows = (h // 2) * (w // 2), forward.text_length, forward.rows
+        shapes = dict(hidden_states=(rows, tokens, config["in_channels"]), timestep=(rows,),
+                      encoder_hidden_states=(rows, length, config["joint_attention_dim"]),
+                      pooled_projections=(rows, config["pooled_projection_dim"]), img_ids=(tokens, 3),
+                      txt_ids=(length, 3))
+        if config.get("guidance_embeds"):
+            shapes["guidance"] = (rows,)
+        return shapes
 
     def schedule_kwargs(self, sampler, latent_shape):
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -115,3 +137,15 @@ class Flux(GeneratorAdapter):
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                              config.get("max_shift", 1.15))
         return {"sigmas": sigmas, "mu": mu}
+
+
+ARCHITECTURES = {
+    # FLUX text-to-image, 0.47M parameters: 2×2 packed latents of the 16-channel image VAE (``vae_kl``) in (64),
+    # T5 tokens (joint_attention_dim) and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the
+    # head dim. A 32 px image is 8×8 latents, 16 tokens. The shipped asset: scripts/train_flux.py.
+    "flux": Architecture(FluxTransformer2DModel, dict(
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+        axes_dims_rope=(8, 12, 12),
+    ), "generator", adapter=Flux(), asset=True, layer_keys=("num_layers", "num_single_layers")),
+}

@@ -1,16 +1,19 @@
-"""Wan 2.1 / 2.2 text-to-video and image-to-video (``WanPipeline``, ``WanImageToVideoPipeline``)."""
+"""Wan 2.1 / 2.2 text-to-video and image-to-video (``WanPipeline``, ``WanImageToVideoPipeline``), and the
+block-causal Wan student of Self-Forcing (``modules.causal_wan``)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+from diffusers import WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from posttrain.modules import vae as vae_codec
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.generators.base import GeneratorAdapter, VideoSize, _config, _dtype
+from posttrain.modules.causal_wan import CausalWanTransformer3DModel
+from posttrain.modules.generators.base import TEXT_DIM, Architecture, GeneratorAdapter, VideoSize, _config, _dtype
 
 if TYPE_CHECKING:
+    from posttrain.modules.cards import ModelCard
     from posttrain.modules.generators import GeneratorStage
 
 
@@ -45,6 +48,9 @@ class WanT2V(GeneratorAdapter):
     chunk size of the call is the input's frame count.
     """
 
+    text_encoder_archs = ("umt5",)
+    reads = "a UMT5 text encoder"
+
     def pipeline_class(self):
         from diffusers import WanPipeline
 
@@ -55,6 +61,9 @@ class WanT2V(GeneratorAdapter):
         card = stage.card
         return {"encoder_hidden_states": card.text_embeds(encoder, prompts,
                                                           lambda missing: umt5_embeds(card, encoder, missing))}
+
+    def text_encoder_problems(self, stage, archs):
+        return []  # the pipeline's UMT5, or any encoder whose last hidden states have the transformer's text_dim
 
     def velocity(self, transformer, x, timestep, cond, **model_kwargs):
         dtype = _dtype(transformer)
@@ -67,6 +76,11 @@ class WanT2V(GeneratorAdapter):
     def latent_shape(self, transformer, vae, size):
         patch = _config(transformer).patch_size
         return vae_codec.latent_shape(vae, size.frames, size.height, size.width, patch=(patch[1], patch[2]))
+
+    def training_inputs(self, config, forward):
+        _, f, h, w = forward.latent_shape  # an I2V transformer's in_channels count the image latents and mask too
+        return dict(hidden_states=(forward.rows, config["in_channels"], f, h, w), timestep=(forward.rows,),
+                    encoder_hidden_states=(forward.rows, forward.text_length, config["text_dim"]))
 
 
 class WanI2V(WanT2V):
@@ -102,6 +116,13 @@ class WanI2V(WanT2V):
         if _config(stage.card[stage.transformer]).image_dim is not None:
             out["encoder_hidden_states_image"] = clip_image_states(stage, images)
         return out
+
+    def pipeline_components(self, transformer, vae, text_encoders, image_encoder=None):
+        components = super().pipeline_components(transformer, vae, text_encoders)
+        if image_encoder is not None:  # Wan 2.1: the CLIP vision encoder and its processor
+            components["image_encoder"] = image_encoder
+            components["image_processor"] = wan21_image_processor(image_encoder)
+        return components
 
     def velocity(self, transformer, x, timestep, cond):
         dtype = _dtype(transformer)
@@ -144,3 +165,28 @@ def _image_batch(images: torch.Tensor, size: VideoSize, who: str) -> torch.Tenso
         raise ValueError(f"{who}: conditioning images are {images.shape[-2]}x{images.shape[-1]} px but the video is "
                          f"{size.height}x{size.width}: make the image stage's height/width equal the video's")
     return images.float()
+
+
+# WanTransformer3DModel, 1.2M parameters; patch (1,2,2) on the 4x VAE's latents: a 5x32x32 video is 2x4x4 = 32
+# tokens. text_dim matches the UMT5's d_model. Without overrides it loads the shipped asset (scripts/train_world.py),
+# trained jointly with that UMT5.
+WAN_T2V = dict(
+    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+    out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=512, num_layers=4,
+    qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+)
+_T2V = WanT2V()  # one adapter for both: the block-causal Wan is driven like Wan T2V
+ARCHITECTURES = {
+    "wan_t2v": Architecture(WanTransformer3DModel, WAN_T2V, "generator", adapter=_T2V, asset=True,
+                            layer_keys=("num_layers",)),
+    # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict
+    # (``init_from: teacher`` copies the pretrained world's generator into it).
+    "wan_t2v_causal": Architecture(CausalWanTransformer3DModel, dict(WAN_T2V), "generator", adapter=_T2V,
+                                   causal=True, layer_keys=("num_layers",)),
+    # Wan 2.2-style image-to-video (``WanImageToVideoPipeline`` without an image encoder): noisy latent (16) +
+    # first-frame mask (4, the VAE's temporal factor) + image latents (16) channels in. The Wan 2.1 layout adds
+    # ``image_dim`` and ``added_kv_proj_dim`` (a CLIP vision encoder's tokens; see ``clip_vision``). The world's I2V
+    # generator has the world's T2V dimensions (1.2M parameters; scripts/train_i2v.py starts it from their weights).
+    "wan_i2v": Architecture(WanTransformer3DModel, dict(WAN_T2V, in_channels=36), "generator", adapter=WanI2V(),
+                            asset=True, layer_keys=("num_layers",)),
+}

@@ -1,0 +1,59 @@
+"""Rows precomputed by ``posttrain preprocess`` (``datamodules.PrecomputedVideos``), handed to the method's card.
+
+At the start of ``fit`` (and of ``validate``) the rows are checked against the run — the weights of the experts
+that made them, the video size, the text length — and the empty prompt's rows (caption dropout, CFG) go into the
+card's embedding cache. Before every batch its ``text_embeds`` {encoder: rows} go into the cache too, where the
+method's conditioning finds them, so its frozen text encoders never run on those prompts. Every ``ExpertModule``
+adds this callback (``configure_callbacks``); with any other datamodule it does nothing.
+"""
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback
+
+from posttrain.modules.precomputed import mismatches
+
+
+class PrecomputedRows(Callback):
+    def on_fit_start(self, trainer, pl_module) -> None:
+        check_precomputed(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            check_precomputed(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        take_precomputed(pl_module, batch)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx: int = 0) -> None:
+        take_precomputed(pl_module, batch)
+
+
+def check_precomputed(trainer, pl_module) -> None:
+    """Refuse rows of a ``PrecomputedVideos`` datamodule made by other weights, size or text length, and cache its
+    empty-prompt rows."""
+    data = getattr(trainer, "datamodule", None)
+    manifest = getattr(data, "manifest", None)
+    if manifest is None:
+        return
+    card, video = pl_module.card, pl_module.video
+    digests = {name: card.weights_digest(name) for name in manifest["sources"] if card.has(name)}
+    problems = mismatches(manifest, digests, card.text_max_length, (video.frames, video.height, video.width))
+    if problems:
+        raise ValueError(f"the precomputed rows in {data.path!r} do not fit this run: {'; '.join(problems)}. "
+                         f"Run `posttrain preprocess --config <this config> --out {data.path} --overwrite true` "
+                         f"again, or train on the original data")
+    for name, rows in data.empty_text_embeds.items():
+        card.cache.put(name, card.versions[name], [""], rows.to(_text_dtype(card, name)))
+
+
+def take_precomputed(pl_module, batch) -> None:
+    """A batch's precomputed text rows go into the card's cache, where the conditioning finds them."""
+    rows = batch.get("text_embeds") if isinstance(batch, dict) else None
+    card = pl_module.card
+    for name, values in (rows or {}).items():
+        card.cache.put(name, card.versions[name], list(batch["prompt"]), values.to(_text_dtype(card, name)))
+
+
+def _text_dtype(card, name: str) -> torch.dtype:
+    return next(card[name].parameters()).dtype

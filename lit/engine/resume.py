@@ -1,0 +1,190 @@
+"""Exact resume: what a checkpoint holds beyond Lightning's own state, and the RNG discipline that makes a
+resumed run continue bitwise where the uninterrupted one goes.
+
+``ExactResume`` is a mixin of ``ExpertModule``:
+
+- ``setup``: the method's noise generators (``generator``, one stream per process; ``shared_generator``, the
+  same stream on every process) are seeded, and the strategy writes and reads verified checkpoint folders
+  (``lit/engine/checkpoint_io.py``);
+- ``on_save_checkpoint`` adds a ``posttrain`` entry: the card's signature, each expert's config, arch and source,
+  the serving settings (``posttrain export`` reads them), the noise generators of every process, the global
+  RNGs (torch, numpy, python, CUDA), the accumulation and non-finite counters; frozen experts whose weights a
+  file holds are left out of ``state_dict`` (a SHA-256 of their weights is kept instead);
+- ``on_load_checkpoint`` refuses a checkpoint of another card before anything loads, reloads the frozen experts
+  from their sources (refusing a source that changed), and puts every state above back — for ``validate`` and
+  ``predict`` too, which is why these are the module's hooks and not a callback's (a callback's
+  ``on_load_checkpoint`` runs only when fitting, after the weights are loaded);
+- only training draws from the global RNGs (below).
+
+Lightning's own ``_collect_rng_states`` / ``_set_rng_states`` take and restore the global RNGs.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import LightningModule
+
+from posttrain.callbacks.checkpoints import wandb_run_id_of
+from posttrain.lit.engine.checkpoint_io import install_checkpoint_io
+
+
+class ExactResume(LightningModule):
+    """Needs ``self.card``, ``self.run.seed``, ``self.generator``, ``self.shared_generator``, ``self._micro``,
+    ``self._nan_streak`` and ``self.serving_settings()`` (all ``ExpertModule``'s)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._frozen_digests: dict[str, str] = {}  # frozen expert -> SHA-256 of its weights (computed once)
+        self._rng_between_batches = None
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
+        self.shared_generator = torch.Generator().manual_seed(self.run.seed)
+        install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
+
+    # ------------------------------------------------------------------ only training draws from the global RNGs
+    # Between two training batches Lightning may run a validation, or, in a resumed run, fast-forward over the one
+    # the checkpoint was taken before (building the validation loader's iterator draws a seed from the global
+    # torch RNG). Those draws would make a resumed run differ from an uninterrupted one, so the global RNG states
+    # are taken when training starts and after every training batch, and put back before the next one (and at the
+    # end of a validation epoch, before a checkpoint callback could save in ``on_validation_end``).
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self._rng_between_batches = _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._rng_between_batches is not None:
+            _set_rng_states(self._rng_between_batches)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        trainer = self.trainer
+        if self._rng_between_batches is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            _set_rng_states(self._rng_between_batches)
+
+    # ------------------------------------------------------------------ the checkpoint's `posttrain` entry
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        # frozen experts read from a file are not saved (the UMT5 of Wan 1.3B alone is ~23 GB in fp32): a resume
+        # reloads them from their source and refuses a source that changed since
+        frozen = {}
+        for name in self.card.reloadable():
+            prefix = f"card.models.{name}."
+            keys = [k for k in checkpoint.get("state_dict", {}) if k.startswith(prefix)]
+            if keys:
+                for key in keys:
+                    del checkpoint["state_dict"][key]
+                if name not in self._frozen_digests:
+                    self._frozen_digests[name] = self.card.weights_digest(name)
+                frozen[name] = {"sha256": self._frozen_digests[name], "source": self.card.sources()[name]}
+        generators = [self.generator.get_state()]
+        if dist.is_available() and dist.is_initialized():
+            generators = [None] * dist.get_world_size()
+            dist.all_gather_object(generators, self.generator.get_state())
+        run_id = wandb_run_id_of(self.trainer)
+        checkpoint["posttrain"] = {
+            "signature": self.card.signature(),
+            "configs": {name: model_config(model) for name, model in self.card.models.items()},
+            "arch": {name: spec.arch for name, spec in self.card.specs.items()},
+            "sources": self.card.sources(),
+            "serving": self.serving_settings(),
+            "run": {"wandb_id": None if run_id is None else str(run_id)},
+            "frozen": frozen,
+            "generators": generators,
+            "shared_generator": self.shared_generator.get_state(),
+            "micro": dict(self._micro),
+            "nan_streak": dict(self._nan_streak),
+            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("posttrain")
+        if state is None:
+            raise ValueError("this checkpoint was not written by posttrain (no 'posttrain' entry); "
+                             "load plain weights with `pretrained:` on the expert instead")
+        check_signature(state["signature"], self.card.signature())
+        self._restore_frozen(checkpoint, state.get("frozen") or {})
+        generators = state["generators"]
+        self.generator.set_state(generators[self.global_rank % len(generators)])
+        if "shared_generator" in state:
+            self.shared_generator.set_state(state["shared_generator"])
+        self._micro = dict(state["micro"])
+        self._nan_streak = dict(state["nan_streak"])
+        torch.set_rng_state(state["rng"]["torch"])
+        _set_numpy_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        if state["rng"].get("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+    def _restore_frozen(self, checkpoint: dict, frozen: dict) -> None:
+        """Put back the frozen experts the checkpoint left out, from their sources, after checking that each
+        source still holds the weights the checkpoint was trained with."""
+        for name, saved in frozen.items():
+            digest = self._frozen_digests.setdefault(name, self.card.weights_digest(name))
+            if digest != saved["sha256"]:
+                source = saved.get("source") or {}
+                where = source.get("pretrained") or f"the shipped {source.get('arch')!r} weights"
+                raise ValueError(f"frozen expert {name!r} is not the one this checkpoint was trained with: its source "
+                                 f"({where}) changed since (weights SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…). "
+                                 f"Restore that source, or start a new run from the checkpoint's trained experts")
+            prefix = f"card.models.{name}."
+            for key, value in self.card.models[name].state_dict().items():
+                checkpoint["state_dict"][prefix + key] = value
+
+
+def check_signature(saved: dict, current: dict, shown: int = 3) -> None:
+    """Refuse a checkpoint whose experts differ from the card's: how many differ, the first ``shown`` of them,
+    the names of the rest, and the fix."""
+    problems, names = [], []
+    for name in sorted(set(saved) | set(current)):
+        if name not in current:
+            problems.append(f"checkpoint has expert {name!r} ({saved[name]}), the card does not")
+        elif name not in saved:
+            problems.append(f"the card has expert {name!r} ({current[name]}), the checkpoint does not")
+        elif saved[name] != current[name]:
+            problems.append(f"expert {name!r} differs: checkpoint {saved[name]} vs card {current[name]}")
+        else:
+            continue
+        names.append(name)
+    if problems:
+        rest = f"\n  - and {len(names) - shown} more: {', '.join(map(repr, names[shown:]))}" \
+            if len(names) > shown else ""
+        raise ValueError(f"checkpoint does not match this model card ({len(names)} expert(s) differ); nothing was "
+                         f"loaded:\n  - " + "\n  - ".join(problems[:shown]) + rest
+                         + "\nResume with the config the checkpoint was trained with, or start a new run.")
+
+
+def model_config(model: torch.nn.Module) -> dict:
+    """The constructor config of a diffusers or transformers model, as a plain dict."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if "_use_default_values" in config:  # diffusers lists a set here: its order changes with the process
+        config["_use_default_values"] = sorted(config["_use_default_values"])
+    return config
+
+
+def _numpy_state() -> dict:
+    """numpy's RNG state in types that ``torch.load(weights_only=True)`` accepts."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "gauss": float(gauss)}
+
+
+def _set_numpy_state(state: dict) -> None:
+    np.random.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                         state["gauss"]))

@@ -1,0 +1,51 @@
+"""One batch schema every datamodule fills (modules/batch.py), read one way; the console's metric keys."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.callbacks.progress import IterationProgressBar
+from posttrain.datamodules.prompts import Prompts
+from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.modules import batch as batch_schema
+
+
+def loaders():
+    prompts = Prompts(prompts=["a red circle", "a cat", "x"], batch_size=2)
+    videos = SyntheticVideos(num_samples=4, val_samples=2, frames=1, height=8, width=8, batch_size=2)
+    prompts.setup("fit")
+    videos.setup("fit")
+    return {"prompts/train": prompts.train_dataloader(), "prompts/val": prompts.val_dataloader(),
+            "prompts/predict": prompts.predict_dataloader(), "videos/train": videos.train_dataloader(),
+            "videos/val": videos.val_dataloader(), "videos/predict": videos.predict_dataloader()}
+
+
+@pytest.mark.parametrize("name", ["prompts/train", "prompts/val", "prompts/predict", "videos/train",
+                                  "videos/val", "videos/predict"])
+def test_every_loader_fills_the_schema(name):
+    """Every batch holds its prompts, each item's dataset index and its group key, read by one reader each."""
+    batch = next(iter(loaders()[name]))
+    assert {"prompt", "index", "group"} <= set(batch), sorted(batch)
+    prompts = batch_schema.prompts(batch, "test")
+    assert prompts and all(isinstance(p, str) for p in prompts)
+    assert batch["index"].dtype == torch.long and batch["index"].shape == (len(prompts),)
+    assert torch.equal(batch_schema.group_ids(batch, 3), batch["group"].repeat_interleave(3))
+    assert batch_schema.seed(batch, default=-1) == int(batch["index"][0])
+
+
+def test_readers_name_the_method_and_fall_back():
+    with pytest.raises(ValueError, match="flow_grpo: the batch holds no prompts"):
+        batch_schema.prompts({"prompt": []}, "flow_grpo")
+    assert batch_schema.seed({"prompt": ["a"]}, default=7) == 7
+    assert batch_schema.item("a", 3, image=1) == {"prompt": "a", "index": 3, "group": 3, "image": 1}
+
+
+def test_progress_bar_shows_each_experts_loss_the_reward_and_learning_rates():
+    metrics = {"train/loss/transformer": torch.tensor(0.5), "train/loss/refiner_0": torch.tensor(2.0),
+               "train/lr/transformer": torch.tensor(1e-4), "train/reward": torch.tensor(0.25),
+               "train/kl/transformer": torch.tensor(3.0), "val/reward": torch.tensor(0.5)}
+    shown = IterationProgressBar().get_metrics(SimpleNamespace(callback_metrics=metrics), None)
+    assert shown == {"loss/transformer": "0.5", "loss/refiner_0": "2", "lr/transformer": "1.00e-04",
+                     "reward": "0.25", "val/reward": "0.5"}

@@ -1,0 +1,87 @@
+"""Stable Diffusion 3, a family added as one file (``modules/generators/sd3.py``) and its configs: it builds from
+its preset, samples through the one sampler, finetunes and trains with FlowGRPO from its configs (no method code of
+its own), ``posttrain estimate`` traces it, and its export run by the real ``StableDiffusion3Pipeline`` from the same
+noise reproduces ``predict`` (float32)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from diffusers import StableDiffusion3Pipeline
+
+from posttrain.lit.base import RunArgs
+from posttrain.lit.tools.cli import main
+from posttrain.lit.tools.estimate import estimate
+from posttrain.lit.tools.export import export
+from posttrain.modules.cards import Expert, ModelCard
+from tests.conftest import adamw
+from tests.test_estimate import assert_matches_a_real_forward
+from tests.test_export_generators import finetuned
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
+
+
+def sd3_card(lr: float) -> ModelCard:
+    """Two CLIPs with projection and the world's T5 (frozen), the world's image VAE, a trainable tiny SD3."""
+    return ModelCard({"text_encoder": Expert(arch="clip_projection"), "text_encoder_2": Expert(arch="clip_projection"),
+                      "text_encoder_3": Expert(arch="t5"), "vae": Expert(arch="vae_kl"),
+                      "transformer": Expert(arch="sd3", trainable=True, optimizer=adamw(lr))}, text_max_length=32)
+
+
+def test_sd3_export_reproduces_predict(tmp_path, one_thread):
+    """StableDiffusion3Pipeline on the exported folder (EMA transformer, CFG 3 with the empty negative prompt, the
+    run's scheduler), given the same noise: max |Δ latents| < 1e-4 and the same pixels."""
+    module, ckpt = finetuned(tmp_path, sd3_card(lr=1e-2), RunArgs(frames=1, height=32, width=32), guidance=3.0)
+    out = export(ckpt, str(tmp_path / "pipe"))
+    assert sorted(os.listdir(out)) == ["model_index.json", "scheduler", "serving.json", "text_encoder",
+                                       "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3",
+                                       "transformer", "vae"]
+    pipe = StableDiffusion3Pipeline.from_pretrained(out)
+    call = json.load(open(os.path.join(out, "serving.json")))
+    assert call.pop("pipeline") == "StableDiffusion3Pipeline" and call.pop("transformer") == "transformer_ema"
+
+    ours = module.generate(PROMPTS, seed=7, latents_only=True)  # (B, 16, 1, 8, 8)
+    noise = torch.randn((len(PROMPTS), *module.stage.latent_shape(module.video)),
+                        generator=torch.Generator().manual_seed(7))
+    theirs = pipe(PROMPTS, latents=noise[:, :, 0], output_type="latent", **call).images  # (B, 16, 8, 8)
+    gap = (ours[:, :, 0] - theirs).abs().max().item()
+    print(f"StableDiffusion3Pipeline vs predict (cfg 3): max |Δ latents| = {gap:.2e}")
+    assert gap < 1e-4
+    images = pipe(PROMPTS, latents=noise[:, :, 0], output_type="pt", **call).images  # (B, 3, H, W) in [0, 1]
+    assert ((module.stage.decode(ours)[:, :, 0] + 1) / 2 - images).abs().max() < 1e-4
+    ema = module.card["transformer_ema"].state_dict()
+    assert all(torch.equal(pipe.transformer.state_dict()[k], ema[k]) for k in ema)
+
+
+@pytest.mark.parametrize("config", ["finetune_sd3.yaml", "flow_grpo_sd3.yaml"])
+def test_sd3_configs_train_one_iteration(config, tmp_path):
+    """The shipped configs through the command (in this process): one finetune / FlowGRPO iteration, a checkpoint."""
+    if config.startswith("finetune"):
+        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}}
+    else:
+        data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
+    main(["fit", "--config", os.path.join(ROOT, "configs", config), "--trainer.max_steps", "1",
+          "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.limit_val_batches", "0",
+          "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+          "--data", json.dumps(data)])  # no W&B run: a second in one process would join the first one's
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+
+def test_sd3_activation_estimate_matches_a_real_forward(tmp_path):
+    """``posttrain estimate`` on configs/finetune_sd3.yaml (3 blocks, 2 rows of 32x32 images) against the bytes a
+    real forward saves for backward."""
+    preset = {"num_layers": 3}
+    with open(os.path.join(ROOT, "configs", "finetune_sd3.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["preset"] = preset
+    cfg["data"]["init_args"]["batch_size"] = 2
+    path = os.path.join(tmp_path, "sd3.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    result = estimate(path)
+    assert result["transformer"].placement == "single process" and result["transformer"].activation_bytes > 0
+    assert_matches_a_real_forward(path, "sd3", preset, result["transformer"].activation_bytes)
