@@ -1,8 +1,8 @@
 """Seconds per finetune iteration through `posttrain fit` vs a plain PyTorch loop, interleaved in one run.
 
-Both sides use the same tiny Wan card (real classes), the same synthetic data, AdamW, gradient clipping,
-caption dropout, the EMA of configs/finetune.yaml and a prompt-embedding cache; the plain loop is what a
-research script would write. `posttrain fit` runs with W&B offline, every callback the method brings
+Both sides use the same tiny Wan card (real classes), the same synthetic data, the config's AdamW and its
+learning-rate schedule, gradient clipping, caption dropout, the EMA of configs/finetune.yaml and a prompt-embedding
+cache; the plain loop is what a research script would write. `posttrain fit` runs with W&B offline, every callback the method brings
 (iteration counter, weight versions) and the config's logging cadence; checkpoints, sample videos and
 validation are off (they are periodic, not per-iteration work).
 
@@ -50,7 +50,10 @@ class PlainLoop:
         self.ema = None
         if model.ema_decay is not None:
             self.ema = copy.deepcopy(self.transformer).requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.transformer.parameters(), lr=1e-3, weight_decay=0.0)
+        # the config's own optimizer and learning-rate schedule, built from the card as the fit builds them
+        self.optimizer = self.card.optimizer_for("transformer", self.card.parameters_of("transformer"))
+        schedule = self.card.specs["transformer"].scheduler
+        self.scheduler = None if schedule is None else schedule(self.optimizer)
         self.generator = torch.Generator().manual_seed(0)
         self.cache: dict[str, torch.Tensor] = {}
         self.loader = self.data.train_dataloader()
@@ -86,6 +89,8 @@ class PlainLoop:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.transformer.parameters(), 1.0)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             with torch.no_grad():

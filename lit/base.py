@@ -241,9 +241,10 @@ class ExpertModule(ExactResume, DeferredLogging):
         """
         parts = [lambda: losses] if isinstance(losses, torch.Tensor) else list(losses)
         guard = self._grad_snapshot(experts)
+        others = [name for name in self.card.trainable if name not in experts]
         for i, part in enumerate(parts):
             loss = part()
-            leaked = sorted(self._experts_in_graph(loss) - set(experts))
+            leaked = sorted(self._experts_in_graph(loss, others)) if others else []
             if leaked:
                 raise GradientLeakError(self._leak_message(experts, leaked, "would write"))
             # decided on all ranks together: one rank skipping its backward would leave DDP's others waiting
@@ -279,9 +280,10 @@ class ExpertModule(ExactResume, DeferredLogging):
         return [(n, p, None if p.grad is None else p.grad._version) for n in others
                 for p in self.card.parameters_of(n)]
 
-    def _experts_in_graph(self, loss: torch.Tensor) -> set[str]:
-        """The trainable experts whose parameters ``loss``'s autograd graph reaches (its AccumulateGrad leaves)."""
-        owner = {id(p): name for name in self.card.trainable for p in self.card.parameters_of(name)}
+    def _experts_in_graph(self, loss: torch.Tensor, among: list[str]) -> set[str]:
+        """The experts of ``among`` whose parameters ``loss``'s autograd graph reaches (its AccumulateGrad leaves).
+        The caller skips the walk when no trainable expert is outside the step: nothing could leak."""
+        owner = {id(p): name for name in among for p in self.card.parameters_of(name)}
         found, seen, stack = set(), set(), [loss.grad_fn]
         while stack:
             node = stack.pop()

@@ -9,10 +9,12 @@ calls it after every iteration, logs the versions and checkpoints them.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
 
 import torch
+
+from posttrain.modules.cards import Routed
 
 
 @dataclass
@@ -27,19 +29,27 @@ class SyncPlan:
     target: str
     decay: Callable[[int], float]
     every: int = 1
+    _resolved: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+
+    def pairs(self, source: torch.nn.Module, target: torch.nn.Module) -> tuple[list[tuple], int]:
+        """(target, source) tensors by name, parameters then floating-point buffers, and how many are
+        parameters; resolved once per pair of modules (not by walking both every iteration), again when the card
+        holds other modules (the cache keeps them alive, so a module's identity cannot be reused)."""
+        if self._resolved is None or self._resolved[0] is not source or self._resolved[1] is not target:
+            src = dict(source.named_parameters())
+            pairs = [(p, src[name]) for name, p in target.named_parameters()]
+            params = len(pairs)
+            src_buffers = dict(source.named_buffers())
+            pairs += [(b, src_buffers[name]) for name, b in target.named_buffers() if b.is_floating_point()]
+            self._resolved = (source, target, pairs, params)
+        return self._resolved[2], self._resolved[3]
 
     @torch.no_grad()
     def apply(self, card, source_version: int) -> bool:
         if source_version % self.every:
             return False
         d = float(self.decay(source_version))
-        source, target = card[self.source], card[self.target]
-        # (target, source) tensors by name: parameters, then floating-point buffers
-        src = dict(source.named_parameters())
-        pairs = [(p, src[name]) for name, p in target.named_parameters()]
-        params = len(pairs)
-        src_buffers = dict(source.named_buffers())
-        pairs += [(b, src_buffers[name]) for name, b in target.named_buffers() if b.is_floating_point()]
+        pairs, params = self.pairs(_model(card[self.source]), _model(card[self.target]))
         with _gathered([s for _, s in pairs[:params]]), _gathered([t for t, _ in pairs[:params]], modifier=True):
             # one fused lerp over all tensors (torch._foreach, as torch.optim does): a loop of per-tensor
             # lerp_ calls cost twice as much on a small model, where the sync runs every iteration
@@ -47,6 +57,11 @@ class SyncPlan:
                 torch._foreach_lerp_([t for t, _ in pairs], [s if s.dtype == t.dtype else s.to(t.dtype)
                                                              for t, s in pairs], 1.0 - d)
         return True
+
+
+def _model(module) -> torch.nn.Module:
+    """The model itself for a routed expert (a fresh ``Routed`` stand-in comes with every ``card[name]``)."""
+    return module.model if type(module) is Routed else module
 
 
 def _gathered(params: list[torch.nn.Parameter], modifier: bool = False):

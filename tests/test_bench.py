@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -189,6 +190,26 @@ def test_fused_sync_plan_equals_per_tensor_lerp(decay):
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     if decay == 0.0:
         assert all(torch.equal(got[n], p) for n, p in card["transformer"].named_parameters())
+
+
+def test_sync_plan_follows_a_module_the_card_replaced():
+    """The plan resolves its tensor pairs once per pair of modules: a second apply writes into the same EMA, and
+    after the card holds a new EMA module the plan writes into that one, not into the old module's tensors."""
+    card = wan_card()
+    card.build()
+    ema = card.add_role("ema", of="transformer")
+    plan = SyncPlan("transformer", ema, constant(0.0))
+    assert plan.apply(card, 1) and plan.apply(card, 2)
+    old = card.models[ema]
+    card.models[ema] = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in card["transformer"].parameters():
+            p.add_(1.0)
+    old_before = {n: t.clone() for n, t in old.state_dict().items()}
+    assert plan.apply(card, 3)
+    assert all(torch.equal(t, dict(card["transformer"].named_parameters())[n])
+               for n, t in card.models[ema].named_parameters())
+    assert all(torch.equal(t, old_before[n]) for n, t in old.state_dict().items())
 
 
 # ---------------------------------------------------------------------- the benches run
