@@ -1,4 +1,6 @@
-"""LightningModules (one file per method), their shared base, the sharding strategy, the CLI.
+"""The methods: one LightningModule per file, in front, on their shared base (``base.py``); behind them
+``engine/`` (the sharding strategy, checkpoint I/O, exact resume, log cadence, start-up checks) and ``tools/``
+(the ``posttrain`` commands). ``strategy.py`` and ``tracking.py`` here keep the older config paths working.
 
 The methods are imported here so that YAML can name them by class (``model: {class_path: Finetune}``).
 """
