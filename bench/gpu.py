@@ -10,7 +10,10 @@ the package's own sampler, losses and DeepSpeed configuration (``lit.engine.stra
    offload is what moves memory); each beside ``lit.tools.estimate``'s figure for the same expert;
 2. **flow_grpo step, K = 8** — an SDE rollout of one prompt's group of 8 (one batched forward per step,
    log-probabilities captured), decoding by the real Wan 2.1 VAE architecture (random weights), and the
-   PPO update on a fraction of the steps (one backward, one optimizer step): seconds of each part.
+   PPO update on a fraction of the steps (one backward, one optimizer step): seconds of each part;
+3. **causal student** — frames per second of the block-causal student generating the finetune video chunk by
+   chunk through its KV cache (4 steps, chunks of 3 latent frames), without and with VAE decoding;
+4. **attention kernels** — which ``scaled_dot_product_attention`` kernels a bf16 forward launches.
 
 MFU = model FLOPs (3 x the forward's, counted by ``torch.utils.flop_counter`` without recompute) / time /
 the device's dense bf16 peak (table below, or ``--peak-tflops``). Gradient checkpointing is on by default
@@ -18,7 +21,7 @@ the device's dense bf16 peak (table below, or ``--peak-tflops``). Gradient check
 
     python bench/gpu.py                 # one GPU, 1.3B shape; ~3-5 min on an H100/H200
     python bench/gpu.py --tiny          # CPU, tiny shape: the same code paths in a minute (tested)
-    python bench/gpu.py --skip offload  # parts to leave out: plain, zero3, offload, rl
+    python bench/gpu.py --skip offload  # parts to leave out: plain, zero3, offload, rl, causal, attention
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from posttrain.modules.generators import ADAPTERS, GeneratorStage, VideoSize  # 
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
 from posttrain.modules.rollout import Rollout, train_steps  # noqa: E402
 from posttrain.modules.samplers import FlowMatchSampler  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B-Diffusers (transformer/config.json)
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -64,9 +68,9 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800
 def sizes(tiny: bool) -> dict[str, Any]:
     if tiny:
         return dict(config=TINY, frames=9, height=32, width=32, text_len=16, batch=2, rl_frames=9, rl_height=32,
-                    rl_width=32, rl_steps=4, iterations=3)
+                    rl_width=32, rl_steps=4, iterations=3, causal_chunk=1)
     return dict(config=WAN_1_3B, frames=81, height=480, width=832, text_len=512, batch=1, rl_frames=33,
-                rl_height=240, rl_width=416, rl_steps=10, iterations=4)
+                rl_height=240, rl_width=416, rl_steps=10, iterations=4, causal_chunk=3)
 
 
 def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
@@ -349,6 +353,75 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     return result
 
 
+# ---------------------------------------------------------------------- 3. the causal student's generation rate
+def causal_generation(s: dict, device: Device) -> dict:
+    """Self-Forcing's serving: the block-causal student (``wan_t2v_causal`` at the transformer's shape) generates
+    one finetune-sized video chunk by chunk (``causal_chunk`` latent frames a chunk, Self-Forcing's 3 at full size;
+    4 re-noised steps σ ∈ {1, .75, .5, .25}; each finished chunk run once more at σ = 0 to fill the KV cache),
+    through the package's own path (``GeneratorStage.sample`` with ``chunk_frames``), then the VAE decodes it.
+    Frames per second = video frames / seconds, without and with decoding (the anchor: 17 FPS for Wan2.1-1.3B
+    chunk-wise on one H100, decoding included)."""
+    device.reset_peak()
+    tiny = s["config"] is TINY
+    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
+    dtype = "float32" if tiny else "bfloat16"
+    card = ModelCard(experts={
+        "text_encoder": Expert(arch="umt5", preset=text),
+        # bf16 weights on the GPU; float32 at --tiny (the CPU's bf16 convolutions are slower than its float32)
+        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
+        "transformer": Expert(arch="wan_t2v_causal", preset=dict(s["config"]), dtype=dtype),
+    }, text_max_length=s["text_len"])
+    with torch.device(device.name):
+        card.build()
+    card.to(device.name)
+    stage = GeneratorStage(card)
+    sampler = FlowMatchSampler(num_steps=4, step_sigmas=[1.0, 0.75, 0.5, 0.25], chunk_frames=s["causal_chunk"],
+                               scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True))
+    shape = stage.latent_shape(VideoSize(s["frames"], s["height"], s["width"]))
+    cond = stage.condition(["a red circle moving left on a blue background"], torch.device(device.name))
+    g = torch.Generator().manual_seed(0)
+    latents: list[torch.Tensor] = []
+
+    def generate():
+        noise = torch.randn((1, *shape), generator=g).to(device.name)
+        with autocast(device):
+            latents.append(stage.sample(sampler, noise, cond, rng=g).latents)
+
+    def generate_and_decode():
+        generate()
+        with torch.no_grad():
+            stage.decode(latents.pop())
+
+    generation = sorted(timed(device, generate, s["iterations"]))
+    latents.clear()
+    with_decode = sorted(timed(device, generate_and_decode, s["iterations"]))
+    peak, how = device.peak_bytes()
+    median = generation[len(generation) // 2], with_decode[len(with_decode) // 2]
+    return dict(video=f"{s['frames']}x{s['height']}x{s['width']}", latent_frames=shape[1],
+                chunk_frames=s["causal_chunk"], chunks=shape[1] // s["causal_chunk"], steps=4,
+                seconds=median[0], seconds_with_decode=median[1], fps=s["frames"] / median[0],
+                fps_with_decode=s["frames"] / median[1], peak_bytes=peak, peak_kind=how)
+
+
+# ---------------------------------------------------------------------- which attention kernel runs
+def attention_kernels(s: dict, device: Device) -> dict:
+    """The kernels one bf16 forward of the transformer launches for attention (``torch.profiler``): flash,
+    memory-efficient, cuDNN or the math fallback of ``scaled_dot_product_attention``; on a CPU, the CPU kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_plain(s["config"], device, checkpointing=False).eval()
+    g = torch.Generator().manual_seed(0)
+    x0, noise, cond, sigma = finetune_batch(s, device, g)
+    x, t = noised(x0, noise, sigma), timestep_of(sigma)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.cuda else [])
+    with torch.no_grad(), autocast(device), profile(activities=activities) as prof:
+        WAN.velocity(model, x, t, cond)
+    names = sorted({e.key for e in prof.key_averages()
+                    if any(k in e.key.lower() for k in ("flash", "efficient", "cudnn", "fmha", "attention"))})
+    del model
+    return dict(kernels=names)
+
+
 # ---------------------------------------------------------------------- main
 def run(tiny: bool, device_name: str, checkpointing: bool, skip: set[str], peak_tflops: Optional[float]) -> dict:
     device = Device(device_name)
@@ -362,6 +435,8 @@ def run(tiny: bool, device_name: str, checkpointing: bool, skip: set[str], peak_
         "zero3": lambda: finetune_zero3(s, device, False, checkpointing, tflops),
         "offload": lambda: finetune_zero3(s, device, True, checkpointing, tflops),
         "rl": lambda: flow_grpo_step(s, device, checkpointing),
+        "causal": lambda: causal_generation(s, device),
+        "attention": lambda: attention_kernels(s, device),
     }
     for name, fn in parts.items():
         if name in skip:
@@ -412,6 +487,17 @@ def report(out: dict) -> str:
             lines.append(f"  flow_grpo step, K={r['K']}, {r['video']}, {r['sde_steps']} SDE steps, {r['trained_steps']} "
                          f"trained: rollout {sec['rollout']:.3f} s + decode {sec['decode']:.3f} s + update "
                          f"{sec['update']:.3f} s = {r['seconds_per_iteration']:.3f} s; peak {peak}")
+    r = out.get("causal")
+    if r is not None:
+        if "error" in r:
+            lines.append(f"  causal student: {r['error']}")
+        else:
+            lines.append(f"  causal student, {r['video']} ({r['chunks']} chunks of {r['chunk_frames']} latent frames, "
+                         f"{r['steps']} steps, KV cache): {r['seconds']:.3f} s = {r['fps']:.1f} FPS; with VAE "
+                         f"decoding {r['seconds_with_decode']:.3f} s = {r['fps_with_decode']:.1f} FPS")
+    r = out.get("attention")
+    if r is not None:
+        lines.append(f"  attention kernels: {r.get('error') or ', '.join(r['kernels']) or 'none matched'}")
     return "\n".join(lines)
 
 
@@ -420,7 +506,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (or --device)")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["plain", "zero3", "offload", "rl"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["plain", "zero3", "offload", "rl", "causal", "attention"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     parser.add_argument("--out", default="runs/bench_gpu/gpu.json", help="figures as JSON")
     args = parser.parse_args()

@@ -266,12 +266,15 @@ def test_gpu_bench_tiny_runs_every_part(tmp_path):
     out = run_bench("bench/gpu.py", "--tiny", "--out", str(out_file))
     assert "flow_grpo step, K=8" in out
     figures = json.loads(out_file.read_text())
-    for part in ("plain", "zero3", "offload", "rl"):
+    for part in ("plain", "zero3", "offload", "rl", "causal", "attention"):
         assert "error" not in figures[part], figures[part]
     assert figures["plain"]["seconds_per_iteration"] > 0 and figures["plain"]["model_tflops_per_iteration"] > 0
     assert figures["plain"]["params"] == pytest.approx(0.2e6, rel=0.5)  # the tiny shape, not 1.3B
     assert figures["zero3"]["estimate_model_state_bytes"] > 0
     assert set(figures["rl"]["seconds"]) == {"rollout", "decode", "update"}
+    causal = figures["causal"]
+    assert causal["chunks"] == causal["latent_frames"] > 1 and 0 < causal["fps_with_decode"] < causal["fps"]
+    assert figures["attention"]["kernels"], "the profiler saw no attention kernel"
 
 
 def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_epoch_end(one_thread):
