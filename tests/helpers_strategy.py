@@ -25,6 +25,9 @@ from tests.conftest import TINY_WAN
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SIZE = {"frames": 5, "height": 32, "width": 32}
+# where a launch puts a process: Lightning sets them in its own process, torchrun in each it starts
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                    "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_decay": 0.01}}
 
 
@@ -70,6 +73,8 @@ def fit(config_path: str, *args: str, timeout: int = 240,
     """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    for name in LAUNCH_VARIABLES:  # left by a run in this process (Lightning sets them): the command picks its own
+        env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
 

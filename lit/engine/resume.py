@@ -117,8 +117,9 @@ class ExactResume(LightningModule):
                              "load plain weights with `pretrained:` on the expert instead")
         check_signature(state["signature"], self.card.signature())
         self._restore_frozen(checkpoint, state.get("frozen") or {})
-        generators = state["generators"]
-        self.generator.set_state(generators[self.global_rank % len(generators)])
+        generators = state["generators"]  # one per process that wrote the checkpoint
+        if self.global_rank < len(generators):  # a process beyond them keeps its own fresh stream (seed + rank)
+            self.generator.set_state(generators[self.global_rank])
         if "shared_generator" in state:
             self.shared_generator.set_state(state["shared_generator"])
         self._micro = dict(state["micro"])

@@ -22,8 +22,10 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 
 ``posttrain.modules.checkpoints.load(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict
 with full fp32 weights (``zero_to_fp32``); ``posttrain export``, ``predict`` and ``validate`` use it.
-Resuming at another world size stops with the ``ds_to_universal`` command to run; with
-``zero: {extra: {checkpoint: {load_universal: true}}}`` the converted shards then load at any size.
+A checkpoint written at another world size resumes too: its shards are converted to DeepSpeed's universal
+checkpoint (``ds_to_universal``, in this process, into a temporary folder), loaded at this size and verified against
+the shards (``_load_resized``); shards a user converted by hand load with ``zero: {extra: {checkpoint:
+{load_universal: true}}}``.
 
     trainer:
       strategy: {class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from posttrain.lit.engine.checkpoint_io import storage_meta
 from posttrain.lit.engine.resume import check_signature
@@ -52,6 +54,7 @@ from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
 
 TAG, META = ckpt.ZERO_TAG, ckpt.SHARDED_META
+UNIVERSAL = f"{TAG}_universal"  # DeepSpeed's universal checkpoint of a shard folder
 
 
 class ShardedExpertsStrategy(DDPStrategy):
@@ -317,22 +320,94 @@ class ShardedExpertsStrategy(DDPStrategy):
         if not self.engines:  # validate / predict / test: full weights, no engines
             return ckpt.load(path)  # verified, ZeRO shards gathered into full weights
         checkpoint = ckpt.load(path, gather=False)  # every file verified (shards too); engines read their shards
-        self.check_resumable(checkpoint, path)
+        resized = self.check_resumable(checkpoint, path)
         with ckpt.restricted_unpickling(path):  # DeepSpeed's own torch.load calls: weights only, allow-listed types
             for name, engine in self.trained_engines.items():
-                load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
-                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
-                if load_path is None:
-                    raise FileNotFoundError(f"no ZeRO checkpoint of expert {name!r} under "
-                                            f"{os.path.join(path, name)!r}")
+                if name not in resized:
+                    self._load_engine(engine, os.path.join(path, name), self._load_tag(name))
+        if resized:
+            self._load_resized(path, checkpoint, resized)
         return checkpoint
+
+    def _load_engine(self, engine, folder: str, tag: str, universal: bool = False) -> None:
+        """``engine.load_checkpoint`` of its shards (weights, optimizer, scheduler) in ``folder/tag``; ``universal``:
+        a universal checkpoint, whatever the engine's config says."""
+        configured = engine._config.load_universal_checkpoint  # DeepSpeed reads it when it loads, not before
+        engine._config.load_universal_checkpoint = configured or universal
+        try:
+            load_path, _ = engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        finally:
+            engine._config.load_universal_checkpoint = configured
+        if load_path is None:
+            raise FileNotFoundError(f"no ZeRO checkpoint under {os.path.join(folder, tag)!r}")
+
+    def _load_resized(self, path: str, checkpoint: dict, names: list[str]) -> None:
+        """Resume the engines of ``names``, whose shards were written at another world size: rank 0 converts them
+        to DeepSpeed's universal checkpoint (``ckpt.to_universal``) in a temporary folder beside the checkpoint (the
+        checkpoint itself stays as written, and a kill leaves only a ``.tmp-`` folder the next save removes), every
+        process loads its new partition from there, the weights that arrived are checked against the shards'
+        (``verify_resized``), and the temporary folder goes."""
+        saved = checkpoint["posttrain_sharded"]
+        was = saved[names[0]]["world_size"]
+        where = os.path.realpath(path)
+        temp = ckpt.temp_path(where + ".universal", self.broadcast(ckpt.new_token() if self.is_global_zero else None))
+        failure = None
+        if self.is_global_zero:
+            try:
+                for name in names:
+                    ckpt.to_universal(os.path.join(path, name, TAG), os.path.join(temp, name, UNIVERSAL),
+                                      saved[name]["stage"])
+            except Exception as err:  # a full disk, a shard DeepSpeed cannot convert
+                failure = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        failure = self.broadcast(failure)
+        try:
+            if failure is not None:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path!r} was written by {was} processes, this run has {self.world_size}: converting "
+                    f"the ZeRO shards of {names} to DeepSpeed's universal checkpoint (in {temp!r}) failed: {failure}. "
+                    f"Nothing was loaded; resume with devices*num_nodes = {was}, or free space beside the checkpoint")
+            with ckpt.restricted_unpickling(temp):
+                for name in names:
+                    self._load_engine(self.engines[name], os.path.join(temp, name), UNIVERSAL, universal=True)
+            self.verify_resized(path, names)
+        finally:
+            self.barrier("resized_checkpoint_loaded")
+            if self.is_global_zero:
+                shutil.rmtree(temp, ignore_errors=True)
+        rank_zero_info(f"resumed {path}, written by {was} processes, on {self.world_size}: the ZeRO shards of {names} "
+                       f"were converted to DeepSpeed's universal checkpoint, resharded, and their weights verified")
+
+    def verify_resized(self, path: str, names: list[str]) -> None:
+        """Every parameter of the engines of ``names`` equals (in its dtype) the full weights rebuilt from the
+        checkpoint's shards by ``zero_to_fp32`` (an independent reading of them), checked on rank 0 one gathered
+        parameter at a time; a difference stops the run before training, naming the parameters."""
+        import deepspeed
+
+        differ: list[str] = []
+        for name in names:
+            reference = ckpt.full_weights(os.path.join(path, name)) if self.is_global_zero else {}
+            for key, param in self._card().models[name].named_parameters():
+                gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") \
+                    else contextlib.nullcontext()
+                with gathered:
+                    if self.is_global_zero and (key not in reference or not torch.equal(
+                            param.detach().cpu(), reference[key].to(param.dtype))):
+                        differ.append(f"{name}.{key}")
+        differ = self.broadcast(differ)
+        if differ:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path!r}: after resharding to {self.world_size} processes, {len(differ)} parameter(s) "
+                f"differ from the checkpoint's shards (e.g. {differ[:3]}); nothing was trained. Resume with the "
+                f"world size the checkpoint was written at")
 
     def _load_tag(self, name: str) -> str:
         universal = self._card().specs[name].zero.extra.get("checkpoint", {}).get("load_universal", False)
-        return f"{TAG}_universal" if universal else TAG
+        return UNIVERSAL if universal else TAG
 
-    def check_resumable(self, checkpoint: dict, path: str) -> None:
-        """Refuse, before anything loads, a checkpoint of other experts, other ZeRO stages or world size."""
+    def check_resumable(self, checkpoint: dict, path: str) -> list[str]:
+        """Refuse, before anything loads, a checkpoint of other experts or other ZeRO stages; returns the experts
+        whose shards were written at another world size (``_load_resized`` reshards them)."""
         card = self._card()
         if "posttrain" in checkpoint:
             check_signature(checkpoint["posttrain"]["signature"], card.signature())
@@ -353,17 +428,7 @@ class ShardedExpertsStrategy(DDPStrategy):
         if problems:
             raise ValueError(f"checkpoint {path!r} does not match this run's sharding; nothing was loaded:\n  - "
                              + "\n  - ".join(problems))
-        if resize:
-            saved_world = saved[resize[0]]["world_size"]
-            commands = "\n".join(
-                f"    python -m deepspeed.checkpoint.ds_to_universal --input_folder {os.path.join(path, n, TAG)} "
-                f"--output_folder {os.path.join(path, n, TAG + '_universal')}"
-                + (" --inject_missing_state" if saved[n]["stage"] == 2 else "") for n in resize)
-            raise ValueError(
-                f"checkpoint {path!r} was written by {saved_world} processes, this run has {self.world_size}: ZeRO "
-                f"shards of {resize} cannot be loaded at another world size. Convert them to DeepSpeed universal "
-                f"checkpoints once:\n{commands}\nthen add `zero: {{extra: {{checkpoint: {{load_universal: true}}}}}}` "
-                f"to each of those experts and resume again (or resume with devices*num_nodes = {saved_world}).")
+        return resize
 
 
 # ---------------------------------------------------------------------- DeepSpeed configs
