@@ -127,6 +127,25 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
         assert_equal(h.weights(last(folder), component), h.weights(full, component))
 
 
+# ---------------------------------------------------------------------- multi-node
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_nodes_train_as_one_world(runs, tmp_path, launcher):
+    """``trainer.num_nodes: 2, devices: 1`` started as 2 "nodes" on 127.0.0.1 — by two ``torchrun --nnodes 2
+    --node-rank i`` meeting on a free port, or as the two tasks of an ``srun`` (its ``SLURM_*`` variables) — is one
+    world of 2 processes: its ZeRO-2 checkpoint at iteration 2 holds the weights, and its shards the world size,
+    of the same config on one node with ``devices: 2``."""
+    folder = str(tmp_path / launcher)
+    done = h.fit_on_nodes(h.config(folder, zero_stage=2, max_steps=2, devices=1, num_nodes=2, ema_decay=0.9), launcher)
+    for node, result in enumerate(done):
+        assert result.returncode == 0, f"node {node} failed:\n{result.stderr[-5000:]}"
+    ckpt = last(folder)
+    with open(os.path.join(ckpt, "sharded.json")) as f:
+        assert yaml.safe_load(f)["transformer"]["world_size"] == 2
+    one_node = os.path.join(runs["z2"], "ckpt", ".last", "epoch=0-step=2.ckpt")
+    for component in ("transformer", "transformer_ema"):
+        assert_equal(h.weights(ckpt, component), h.weights(one_node, component))
+
+
 # ---------------------------------------------------------------------- export
 def test_export_from_zero3_checkpoint(runs, tmp_path):
     from diffusers import WanTransformer3DModel

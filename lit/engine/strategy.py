@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import os
 import shutil
@@ -79,6 +80,11 @@ class ShardedExpertsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
+        # DeepSpeed reads where this process is from the variables torchrun sets; under SLURM (or Lightning's own
+        # launcher) Lightning knows it from its cluster environment
+        for name, value in (("LOCAL_RANK", self.local_rank), ("RANK", self.global_rank),
+                            ("WORLD_SIZE", self.world_size)):
+            os.environ.setdefault(name, str(value))
         if self.root_device.type == "cpu":
             # DeepSpeed probes for an accelerator when imported and warns that it fell back to the CPU: say so instead
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -386,7 +392,8 @@ class ShardedExpertsStrategy(DDPStrategy):
 
         differ: list[str] = []
         for name in names:
-            reference = ckpt.full_weights(os.path.join(path, name)) if self.is_global_zero else {}
+            with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
+                reference = ckpt.full_weights(os.path.join(path, name)) if self.is_global_zero else {}
             for key, param in self._card().models[name].named_parameters():
                 gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") \
                     else contextlib.nullcontext()
