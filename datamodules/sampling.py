@@ -120,7 +120,11 @@ class ResumableDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset()
-        sampler = ResumableSampler(dataset, shuffle=True, seed=self.seed)
+        # the strategy's data-parallel ranks (a sequence-parallel group shares its samples); the group's otherwise
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        ranks = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = ResumableSampler(dataset, shuffle=True, seed=self.seed, num_replicas=ranks.get("num_replicas"),
+                                   rank=ranks.get("rank"))
         if len(sampler) < self.batch_size:
             raise ValueError(f"{type(self).__name__}: {len(dataset)} samples give this process {len(sampler)}, "
                              f"fewer than batch_size={self.batch_size}; add data or lower the batch size")

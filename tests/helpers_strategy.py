@@ -42,7 +42,7 @@ def expert(zero_stage: Optional[int], **extra) -> dict:
 
 def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: int = 2, num_nodes: int = 1,
            model: str = "posttrain.lit.finetune.Finetune", experts: Optional[dict] = None, callbacks: list = (),
-           sharding_strategy: Optional[bool] = None, **model_args) -> str:
+           sharding_strategy: Optional[bool] = None, sequence_parallel: int = 1, **model_args) -> str:
     """Write a small fit config under ``root`` (checkpoints in ``root/ckpt`` every 2 iterations)."""
     sharding = zero_stage is not None if sharding_strategy is None else sharding_strategy
     cards = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}, "transformer": expert(zero_stage)}
@@ -51,7 +51,9 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
         "seed_everything": 0,
         "trainer": {
             "max_steps": max_steps, "accelerator": "cpu", "devices": devices, "num_nodes": num_nodes,
-            "strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
+            "strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy",
+                         **({"init_args": {"sequence_parallel": sequence_parallel}} if sequence_parallel > 1 else {})}
+            if sharding else "ddp",
             "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
             "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
             "callbacks": [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",

@@ -44,7 +44,10 @@ class ExactResume(LightningModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
+        # one stream per data-parallel rank: the processes of a sequence group share a sample, and its noise
+        data_rank = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}).get(
+            "rank", self.global_rank)
+        self.generator = torch.Generator().manual_seed(self.run.seed + data_rank)
         self.shared_generator = torch.Generator().manual_seed(self.run.seed)
         install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
 

@@ -53,6 +53,7 @@ from posttrain.lit.engine.resume import check_signature
 from posttrain.modules import checkpoints as ckpt
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
+from posttrain.modules.sequence_parallel import enable_sequence_parallel, sequence_mesh
 
 TAG, META = ckpt.ZERO_TAG, ckpt.SHARDED_META
 UNIVERSAL = f"{TAG}_universal"  # DeepSpeed's universal checkpoint of a shard folder
@@ -62,15 +63,23 @@ class ShardedExpertsStrategy(DDPStrategy):
     """DDP for small experts, one DeepSpeed ZeRO engine for each expert marked ``sharded: true``.
 
     Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``, ``find_unused_parameters``…);
-    the ZeRO settings live on the experts of the card (``Expert.zero``).
+    the ZeRO settings live on the experts of the card (``Expert.zero``). ``sequence_parallel``: k processes share one
+    sample's tokens in every Wan transformer of the card (``modules/sequence_parallel.py``); data parallelism is then
+    over the world / k sequence groups (samples, noise streams).
     """
 
     strategy_name = "sharded_experts"
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, sequence_parallel: int = 1, **kwargs: Any):
         # a method backs up each expert's loss separately: the other experts' DDP parameters get no grad
         kwargs.setdefault("find_unused_parameters", True)
         super().__init__(*args, **kwargs)
+        if sequence_parallel < 1:
+            raise ValueError(f"sequence_parallel={sequence_parallel}: the processes that share one sample's tokens; "
+                             f"give 1 (off) or a divisor of devices x num_nodes")
+        self.sequence_parallel = sequence_parallel
+        self.mesh = None  # (data, ring, ulysses) device mesh when sequence_parallel > 1
+        self.sequence_experts: list[str] = []  # experts whose tokens the sequence groups share
         self.engines: dict[str, Any] = {}  # expert name -> deepspeed.DeepSpeedEngine
 
     @property
@@ -98,9 +107,17 @@ class ShardedExpertsStrategy(DDPStrategy):
         deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), auto_mpi_discovery=False,
                                    dist_init_required=False, verbose=False)
         card = self._card()
-        if not any(spec.sharded for spec in card.specs.values()):
+        if self.sequence_parallel > 1:
+            self.mesh = sequence_mesh(self.sequence_parallel, self.root_device.type)
+        elif not any(spec.sharded for spec in card.specs.values()):
             rank_zero_warn("ShardedExpertsStrategy: no expert has `sharded: true`; every expert runs under plain DDP")
         validate_zero_configs(card)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data parallelism is over sequence groups: the processes of one group draw the same samples."""
+        return {"num_replicas": self.world_size // self.sequence_parallel,
+                "rank": self.global_rank // self.sequence_parallel}
 
     @property
     def trained_engines(self) -> dict[str, Any]:
@@ -153,6 +170,14 @@ class ShardedExpertsStrategy(DDPStrategy):
 
         module = self.lightning_module
         card = self._card()
+        if self.mesh is not None:  # every transformer diffusers knows how to split (Wan), roles included
+            for name, model in card.models.items():
+                if getattr(model, "_cp_plan", None) is not None:
+                    enable_sequence_parallel(model, self.mesh)
+                    self.sequence_experts.append(name)
+            rank_zero_info(f"sequence parallel: groups of {self.sequence_parallel} processes share each sample's "
+                           f"tokens in {self.sequence_experts}; {self.world_size // self.sequence_parallel} "
+                           f"data-parallel rank(s)")
         for name, spec in card.specs.items():
             if not spec.sharded:
                 continue
@@ -187,6 +212,14 @@ class ShardedExpertsStrategy(DDPStrategy):
     def expert_backward(self, module, loss: torch.Tensor, experts: list[str], last: bool = True) -> None:
         """One backward of ``loss``: through the engine of a sharded expert, else Lightning's. ``last``: the
         final backward of the iteration (several come when a method backs up per-step losses)."""
+        sequence = [name for name in experts if name in self.sequence_experts]
+        if sequence:
+            if len(sequence) < len(experts):
+                raise NotImplementedError(f"one loss backpropagated into sequence-parallel experts {sequence} and "
+                                          f"others {sorted(set(experts) - set(sequence))}: give them separate losses")
+            # each process of a sequence group backpropagates its own tokens of the same loss: the group's sum is
+            # the gradient, and DDP / ZeRO average over every process, so k times the loss gives the data average
+            loss = loss * self.sequence_parallel
         sharded = [name for name in experts if name in self.engines]
         if not sharded:
             module.manual_backward(loss)
