@@ -17,14 +17,18 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
-    def __init__(self, dataset: Dataset, shuffle: bool = True, seed: int = 0):
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """``num_replicas`` / ``rank``: those of the process group (None: read from it; 1 and 0 without one)."""
+
+    def __init__(self, dataset: Dataset, shuffle: bool = True, seed: int = 0, num_replicas: Optional[int] = None,
+                 rank: Optional[int] = None):
+        grouped = dist.is_available() and dist.is_initialized()
+        world = num_replicas if num_replicas is not None else dist.get_world_size() if grouped else 1
+        rank = rank if rank is not None else dist.get_rank() if grouped else 0
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self.resume: Optional[tuple[int, int]] = None  # (epoch, samples of this rank's share to skip), once
 
@@ -61,19 +65,38 @@ class ResumableLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         epoch, done = state["epoch"], state["batches"]
-        if done >= len(self):  # saved on the epoch's last batch: the next epoch starts from its first
-            epoch, done = epoch + 1, 0
         saved = (state["batch_size"], state["replicas"], state["dataset"])
-        if saved != (self.batch_size, self.sampler.num_replicas, len(self.dataset)):
-            # another batch size, world size or dataset: continue after the same share of the epoch's samples
-            consumed = done * state["batch_size"] * state["replicas"]
-            done = consumed // self.sampler.num_replicas // self.batch_size
-            rank_zero_warn(f"the checkpoint's data position is for batch_size, processes, samples = {saved}, this "
-                           f"run has {(self.batch_size, self.sampler.num_replicas, len(self.dataset))}: epoch "
-                           f"{epoch} continues after about {consumed} samples, not exactly where it stopped")
+        now = (self.batch_size, self.sampler.num_replicas, len(self.dataset))
+        per_process = -(-state["dataset"] // state["replicas"])  # DistributedSampler's share (padded)
+        if done >= per_process // state["batch_size"]:  # saved on the epoch's last batch: the next one starts
+            epoch, done = epoch + 1, 0
+        elif saved != now:
+            done = self._carry_over(epoch, done, saved, now)
         self.sampler.set_epoch(epoch)
         self.sampler.resume = (epoch, done * self.batch_size)
         self.epoch, self.position = epoch, done
+
+    def _carry_over(self, epoch: int, done: int, saved: tuple, now: tuple) -> int:
+        """Batches of this process's share to skip when the checkpoint was written at another world size or batch
+        size, said in one line. Every world size shards the same seeded permutation of the epoch (rank r takes
+        every W-th index from r), so the samples ``done`` batches drew on every process are its first
+        ``done·B·W``: this run skips the largest number of its batches that stays within them — exactly them when
+        the count divides, else the rest of them are drawn again. Another dataset has another permutation."""
+        (batch, replicas, samples), (new_batch, new_replicas, new_samples) = saved, now
+        consumed = done * batch * replicas
+        skip = consumed // new_replicas // new_batch
+        covered = skip * new_batch * new_replicas
+        position = (f"the checkpoint stopped after {consumed} samples of epoch {epoch} ({replicas} processes x batch "
+                    f"{batch}); this run has {new_replicas} x {new_batch}")
+        if samples != new_samples:
+            rank_zero_warn(f"{position} and {new_samples} samples instead of {samples}: another permutation, so epoch "
+                           f"{epoch} continues after {covered} of its samples, not the ones the checkpoint had drawn")
+        elif covered == consumed:
+            rank_zero_info(f"{position}: epoch {epoch} continues after exactly those samples")
+        else:
+            rank_zero_warn(f"{position}: epoch {epoch} continues after {covered} of those samples (the last batch "
+                           f"boundary at this size), so {consumed - covered} of them are drawn again")
+        return skip
 
 
 class ResumableDataModule(LightningDataModule):
@@ -97,7 +120,11 @@ class ResumableDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset()
-        sampler = ResumableSampler(dataset, shuffle=True, seed=self.seed)
+        # the strategy's data-parallel ranks (a sequence-parallel group shares its samples); the group's otherwise
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        ranks = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = ResumableSampler(dataset, shuffle=True, seed=self.seed, num_replicas=ranks.get("num_replicas"),
+                                   rank=ranks.get("rank"))
         if len(sampler) < self.batch_size:
             raise ValueError(f"{type(self).__name__}: {len(dataset)} samples give this process {len(sampler)}, "
                              f"fewer than batch_size={self.batch_size}; add data or lower the batch size")

@@ -422,18 +422,46 @@ def load(path: str, gather: bool = True) -> dict[str, Any]:
 
 def gather_sharded(folder: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Add to ``checkpoint["state_dict"]`` ``card.models.<expert>.<param>`` of every sharded expert, rebuilt from
-    its ZeRO shards by ``deepspeed.utils.zero_to_fp32`` (under ``restricted_unpickling``). ``folder`` has been
-    verified by ``load``."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+    its ZeRO shards (``full_weights``). ``folder`` has been verified by ``load``."""
     for name in checkpoint.get("posttrain_sharded", {}):
-        expert_dir = os.path.join(folder, name)
-        tag = ZERO_TAG if os.path.isdir(os.path.join(expert_dir, ZERO_TAG)) else None
-        with restricted_unpickling(expert_dir):
-            state = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
-        for key, value in state.items():
+        for key, value in full_weights(os.path.join(folder, name)).items():
             checkpoint["state_dict"][f"card.models.{name}.{key}"] = value
     return checkpoint
+
+
+def full_weights(expert_dir: str) -> dict[str, torch.Tensor]:
+    """One sharded expert's full fp32 weights, rebuilt from its ZeRO shard folder ``expert_dir`` (verified by the
+    caller) by ``deepspeed.utils.zero_to_fp32``, under ``restricted_unpickling``."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = ZERO_TAG if os.path.isdir(os.path.join(expert_dir, ZERO_TAG)) else None
+    with restricted_unpickling(expert_dir):
+        return get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
+
+
+def to_universal(shards: str, out: str, stage: int) -> None:
+    """Convert one expert's ZeRO shard folder ``shards`` (verified by ``load``) into DeepSpeed's universal checkpoint
+    folder ``out`` (and ``<parent of out>/latest_universal``), which DeepSpeed loads at any world size: its own
+    ``ds_to_universal`` run in this process (one worker: no process pool), under ``restricted_unpickling``, with its
+    progress output kept back (its last lines are in the error when it fails). ZeRO-2 shards lack the optimizer
+    state the universal format wants: ``inject_missing_state`` adds it, as DeepSpeed documents."""
+    import argparse
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=shards, output_folder=out, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=stage <= 2)
+    said = io.StringIO()
+    try:
+        with restricted_unpickling(shards), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            ds_to_universal.main(args)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        tail = " | ".join(said.getvalue().strip().splitlines()[-3:])
+        raise CheckpointError(f"{shards}: DeepSpeed's ds_to_universal failed ({type(err).__name__}: {err}; it said: "
+                              f"{tail or 'nothing'})") from err
 
 
 # ---------------------------------------------------------------------- last

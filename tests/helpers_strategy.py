@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any, Callable, Optional
@@ -25,6 +26,9 @@ from tests.conftest import TINY_WAN
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SIZE = {"frames": 5, "height": 32, "width": 32}
+# where a launch puts a process: Lightning sets them in its own process, torchrun in each it starts
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                    "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_decay": 0.01}}
 
 
@@ -36,9 +40,9 @@ def expert(zero_stage: Optional[int], **extra) -> dict:
     return spec | extra
 
 
-def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: int = 2,
+def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: int = 2, num_nodes: int = 1,
            model: str = "posttrain.lit.finetune.Finetune", experts: Optional[dict] = None, callbacks: list = (),
-           sharding_strategy: Optional[bool] = None, **model_args) -> str:
+           sharding_strategy: Optional[bool] = None, sequence_parallel: int = 1, **model_args) -> str:
     """Write a small fit config under ``root`` (checkpoints in ``root/ckpt`` every 2 iterations)."""
     sharding = zero_stage is not None if sharding_strategy is None else sharding_strategy
     cards = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}, "transformer": expert(zero_stage)}
@@ -46,8 +50,10 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
     cfg = {
         "seed_everything": 0,
         "trainer": {
-            "max_steps": max_steps, "accelerator": "cpu", "devices": devices,
-            "strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy"} if sharding else "ddp",
+            "max_steps": max_steps, "accelerator": "cpu", "devices": devices, "num_nodes": num_nodes,
+            "strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy",
+                         **({"init_args": {"sequence_parallel": sequence_parallel}} if sequence_parallel > 1 else {})}
+            if sharding else "ddp",
             "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
             "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
             "callbacks": [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
@@ -70,8 +76,52 @@ def fit(config_path: str, *args: str, timeout: int = 240,
     """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    for name in LAUNCH_VARIABLES:  # left by a run in this process (Lightning sets them): the command picks its own
+        env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fit_on_nodes(config_path: str, launcher: str, nodes: int = 2, timeout: int = 400) -> list[subprocess.CompletedProcess]:
+    """``posttrain fit --config config_path`` as ``nodes`` "nodes" of one process each on 127.0.0.1, started the way a
+    cluster starts them: ``torchrun --nnodes N --node-rank i`` (a static rendezvous on a free port), or by SLURM
+    (``srun`` gives every task its ``SLURM_*`` variables; Lightning's SLURM environment reads them). All at once;
+    the results in node order."""
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+               WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    for name in LAUNCH_VARIABLES:
+        env.pop(name, None)
+    command = ["-m", "posttrain", "fit", "--config", config_path]
+    started = []
+    for node in range(nodes):
+        if launcher == "torchrun":
+            args = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+                    "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", *command]
+            node_env = env
+        else:  # what srun --nodes N --ntasks-per-node 1 sets in task `node`
+            args = [sys.executable, *command]
+            node_env = dict(env, SLURM_NTASKS=str(nodes), SLURM_NTASKS_PER_NODE="1", SLURM_NNODES=str(nodes),
+                            SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NODEID=str(node), SLURM_JOB_ID="4242",
+                            SLURM_JOB_NAME="posttrain", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)
+        started.append(subprocess.Popen(args, cwd=ROOT, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True))
+    done = []
+    for process in started:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in started:
+                other.kill()
+            raise
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return done
 
 
 def file_size_limit(max_bytes: int) -> Callable[[], None]:

@@ -457,6 +457,39 @@ def test_loader_resumes_at_any_batch_and_never_draws_global_rng(stop):
     assert epoch == (1 if stop == 3 else 0)
 
 
+@pytest.mark.parametrize("replicas, stop, again", [(1, 3, 0), (4, 2, 0), (4, 1, 4)])
+def test_loader_resumed_at_another_world_size_continues_after_the_same_samples(replicas, stop, again, caplog):
+    """A position written by 2 processes (batch 2, 16 samples) and resumed by ``replicas``: over all processes the
+    epoch draws every sample once — the ones drawn before the checkpoint and the rest after — when the count
+    divides at the new size (2 -> 1 always); else the few before the last batch boundary are drawn again, and the
+    one line about it says how many."""
+    import collections
+    import logging
+
+    data = list(range(16))
+
+    def loaders(world):
+        return [ResumableLoader(data, batch_size=2, sampler=ResumableSampler(data, seed=3, num_replicas=world, rank=r),
+                                seed=3) for r in range(world)]
+
+    written = loaders(2)
+    before = [i for loader in written for batch in batches(loader, stop) for i in batch]
+    states = [loader.state_dict() for loader in written]
+    assert states[0] == states[1]
+    resumed = loaders(replicas)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for loader in resumed:
+            loader.load_state_dict(states[0])
+    after = [i for loader in resumed for batch in batches(loader) for i in batch]
+    counts = collections.Counter(before + after)
+    assert set(counts) == set(data) and sum(n - 1 for n in counts.values()) == again, counts
+    said = [r.getMessage() for r in caplog.records if "the checkpoint stopped after" in r.getMessage()] + \
+        [str(w.message) for w in warned if "the checkpoint stopped after" in str(w.message)]
+    assert len(said) == replicas, said  # one line per process here; rank_zero_* says it once in a run
+    assert (f"{again} of them are drawn again" if again else "after exactly those samples") in said[0], said[0]
+
+
 def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     """A real `posttrain fit` (W&B offline, checkpoints, samples) with fake secrets in its environment: none of
     them appears in any file it wrote, nor in its output."""

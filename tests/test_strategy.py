@@ -127,6 +127,25 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
         assert_equal(h.weights(last(folder), component), h.weights(full, component))
 
 
+# ---------------------------------------------------------------------- multi-node
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_nodes_train_as_one_world(runs, tmp_path, launcher):
+    """``trainer.num_nodes: 2, devices: 1`` started as 2 "nodes" on 127.0.0.1 — by two ``torchrun --nnodes 2
+    --node-rank i`` meeting on a free port, or as the two tasks of an ``srun`` (its ``SLURM_*`` variables) — is one
+    world of 2 processes: its ZeRO-2 checkpoint at iteration 2 holds the weights, and its shards the world size,
+    of the same config on one node with ``devices: 2``."""
+    folder = str(tmp_path / launcher)
+    done = h.fit_on_nodes(h.config(folder, zero_stage=2, max_steps=2, devices=1, num_nodes=2, ema_decay=0.9), launcher)
+    for node, result in enumerate(done):
+        assert result.returncode == 0, f"node {node} failed:\n{result.stderr[-5000:]}"
+    ckpt = last(folder)
+    with open(os.path.join(ckpt, "sharded.json")) as f:
+        assert yaml.safe_load(f)["transformer"]["world_size"] == 2
+    one_node = os.path.join(runs["z2"], "ckpt", ".last", "epoch=0-step=2.ckpt")
+    for component in ("transformer", "transformer_ema"):
+        assert_equal(h.weights(ckpt, component), h.weights(one_node, component))
+
+
 # ---------------------------------------------------------------------- export
 def test_export_from_zero3_checkpoint(runs, tmp_path):
     from diffusers import WanTransformer3DModel
@@ -205,7 +224,7 @@ def test_config_parses():
     assert not any(s.sharded for name, s in cli.model.card.specs.items() if name != "transformer")
 
 
-def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=()):
+def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=(), max_steps=1, num_samples=4):
     from lightning.pytorch import Trainer
 
     from posttrain.datamodules.synthetic import SyntheticVideos
@@ -221,10 +240,11 @@ def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=()):
             spec["optimizer"] = lambda params: torch.optim.AdamW(params, lr=1e-3)
         experts[name] = Expert(**spec)
     model = Finetune(ModelCard(experts), ema_decay=0.9, run=RunArgs(**h.SIZE))
-    trainer = Trainer(max_steps=1, accelerator="cpu", devices=1, strategy=strategy, logger=False,
+    trainer = Trainer(max_steps=max_steps, accelerator="cpu", devices=1, strategy=strategy, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=list(callbacks))
-    trainer.fit(model, SyntheticVideos(num_samples=4, batch_size=2, **h.SIZE), ckpt_path=ckpt_path)
+    trainer.fit(model, SyntheticVideos(num_samples=num_samples, batch_size=2, **h.SIZE), ckpt_path=ckpt_path)
+    return trainer
 
 
 def card(stage=None, **zero) -> dict:
@@ -274,11 +294,45 @@ def test_resume_with_other_stage_is_refused(runs, one_process):
         _fit_in_process(card(2), one_process(), ckpt_path=last(runs["z3"]))
 
 
-def test_resume_at_other_world_size_says_how_to_convert(runs, one_process):
-    with pytest.raises(ValueError, match=r"written by 2 processes, this run has 1(.|\n)*"
-                                         r"python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-                                         r"\S+/last.ckpt/transformer/zero(.|\n)*load_universal: true"):
-        _fit_in_process(card(3), one_process(), ckpt_path=last(runs["z3"]))
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage, caplog):
+    """A ZeRO-2/3 checkpoint written by 2 processes at iteration 2 resumes on 1 with no conversion by hand: its shards
+    are converted to DeepSpeed's universal checkpoint and resharded; the weights that arrive equal the checkpoint's
+    bitwise; training continues to iteration 3; the data position carries over exactly (2 -> 1 always divides), and
+    both are said; the checkpoint stays as written, with no temporary folder left beside it."""
+    import logging
+
+    from lightning.pytorch import Callback
+
+    written = os.path.join(runs[stage], "ckpt", ".last", "epoch=0-step=2.ckpt")
+    files = {rel: checkpoints.hash_file(os.path.join(written, rel)) for rel in checkpoints.files_under(written)}
+    beside = sorted(os.listdir(os.path.dirname(written)))
+    saved = h.weights(written, "transformer")
+    loaded = {}
+
+    class Loaded(Callback):
+        def on_train_start(self, trainer, pl_module):
+            import deepspeed
+
+            module = pl_module.card.models["transformer"]
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                loaded.update({k: v.detach().clone().float() for k, v in module.named_parameters()})
+
+    logging.getLogger("lightning.pytorch").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            trainer = _fit_in_process(card(int(stage[1])), one_process(), ckpt_path=written, callbacks=[Loaded()],
+                                      max_steps=3, num_samples=16)
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(caplog.handler)
+    assert trainer.global_step == 3 and torch.isfinite(trainer.logged_metrics["train/grad_norm/transformer"])
+    assert_equal(loaded, saved)
+    said = caplog.text
+    assert "written by 2 processes, on 1: the ZeRO shards of ['transformer'] were converted" in said, said[-3000:]
+    assert "stopped after 8 samples of epoch 0 (2 processes x batch 2); this run has 1 x 2: epoch 0 continues " \
+           "after exactly those samples" in said, said[-3000:]
+    assert {rel: checkpoints.hash_file(os.path.join(written, rel)) for rel in checkpoints.files_under(written)} == files
+    assert sorted(os.listdir(os.path.dirname(written))) == beside
 
 
 def test_resume_with_other_expert_set_is_refused(runs, one_process):

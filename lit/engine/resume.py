@@ -44,7 +44,10 @@ class ExactResume(LightningModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        self.generator = torch.Generator().manual_seed(self.run.seed + self.global_rank)
+        # one stream per data-parallel rank: the processes of a sequence group share a sample, and its noise
+        data_rank = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}).get(
+            "rank", self.global_rank)
+        self.generator = torch.Generator().manual_seed(self.run.seed + data_rank)
         self.shared_generator = torch.Generator().manual_seed(self.run.seed)
         install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
 
@@ -117,8 +120,9 @@ class ExactResume(LightningModule):
                              "load plain weights with `pretrained:` on the expert instead")
         check_signature(state["signature"], self.card.signature())
         self._restore_frozen(checkpoint, state.get("frozen") or {})
-        generators = state["generators"]
-        self.generator.set_state(generators[self.global_rank % len(generators)])
+        generators = state["generators"]  # one per process that wrote the checkpoint
+        if self.global_rank < len(generators):  # a process beyond them keeps its own fresh stream (seed + rank)
+            self.generator.set_state(generators[self.global_rank])
         if "shared_generator" in state:
             self.shared_generator.set_state(state["shared_generator"])
         self._micro = dict(state["micro"])

@@ -22,8 +22,10 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 
 ``posttrain.modules.checkpoints.load(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict
 with full fp32 weights (``zero_to_fp32``); ``posttrain export``, ``predict`` and ``validate`` use it.
-Resuming at another world size stops with the ``ds_to_universal`` command to run; with
-``zero: {extra: {checkpoint: {load_universal: true}}}`` the converted shards then load at any size.
+A checkpoint written at another world size resumes too: its shards are converted to DeepSpeed's universal
+checkpoint (``ds_to_universal``, in this process, into a temporary folder), loaded at this size and verified against
+the shards (``_load_resized``); shards a user converted by hand load with ``zero: {extra: {checkpoint:
+{load_universal: true}}}``.
 
     trainer:
       strategy: {class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import os
 import shutil
@@ -43,30 +46,40 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from posttrain.lit.engine.checkpoint_io import storage_meta
 from posttrain.lit.engine.resume import check_signature
 from posttrain.modules import checkpoints as ckpt
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
+from posttrain.modules.sequence_parallel import enable_sequence_parallel, sequence_mesh
 
 TAG, META = ckpt.ZERO_TAG, ckpt.SHARDED_META
+UNIVERSAL = f"{TAG}_universal"  # DeepSpeed's universal checkpoint of a shard folder
 
 
 class ShardedExpertsStrategy(DDPStrategy):
     """DDP for small experts, one DeepSpeed ZeRO engine for each expert marked ``sharded: true``.
 
     Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``, ``find_unused_parameters``…);
-    the ZeRO settings live on the experts of the card (``Expert.zero``).
+    the ZeRO settings live on the experts of the card (``Expert.zero``). ``sequence_parallel``: k processes share one
+    sample's tokens in every Wan transformer of the card (``modules/sequence_parallel.py``); data parallelism is then
+    over the world / k sequence groups (samples, noise streams).
     """
 
     strategy_name = "sharded_experts"
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, sequence_parallel: int = 1, **kwargs: Any):
         # a method backs up each expert's loss separately: the other experts' DDP parameters get no grad
         kwargs.setdefault("find_unused_parameters", True)
         super().__init__(*args, **kwargs)
+        if sequence_parallel < 1:
+            raise ValueError(f"sequence_parallel={sequence_parallel}: the processes that share one sample's tokens; "
+                             f"give 1 (off) or a divisor of devices x num_nodes")
+        self.sequence_parallel = sequence_parallel
+        self.mesh = None  # (data, ring, ulysses) device mesh when sequence_parallel > 1
+        self.sequence_experts: list[str] = []  # experts whose tokens the sequence groups share
         self.engines: dict[str, Any] = {}  # expert name -> deepspeed.DeepSpeedEngine
 
     @property
@@ -76,6 +89,11 @@ class ShardedExpertsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()  # torch.distributed over gloo (CPU) or NCCL (CUDA)
+        # DeepSpeed reads where this process is from the variables torchrun sets; under SLURM (or Lightning's own
+        # launcher) Lightning knows it from its cluster environment
+        for name, value in (("LOCAL_RANK", self.local_rank), ("RANK", self.global_rank),
+                            ("WORLD_SIZE", self.world_size)):
+            os.environ.setdefault(name, str(value))
         if self.root_device.type == "cpu":
             # DeepSpeed probes for an accelerator when imported and warns that it fell back to the CPU: say so instead
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -89,9 +107,17 @@ class ShardedExpertsStrategy(DDPStrategy):
         deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), auto_mpi_discovery=False,
                                    dist_init_required=False, verbose=False)
         card = self._card()
-        if not any(spec.sharded for spec in card.specs.values()):
+        if self.sequence_parallel > 1:
+            self.mesh = sequence_mesh(self.sequence_parallel, self.root_device.type)
+        elif not any(spec.sharded for spec in card.specs.values()):
             rank_zero_warn("ShardedExpertsStrategy: no expert has `sharded: true`; every expert runs under plain DDP")
         validate_zero_configs(card)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data parallelism is over sequence groups: the processes of one group draw the same samples."""
+        return {"num_replicas": self.world_size // self.sequence_parallel,
+                "rank": self.global_rank // self.sequence_parallel}
 
     @property
     def trained_engines(self) -> dict[str, Any]:
@@ -144,6 +170,14 @@ class ShardedExpertsStrategy(DDPStrategy):
 
         module = self.lightning_module
         card = self._card()
+        if self.mesh is not None:  # every transformer diffusers knows how to split (Wan), roles included
+            for name, model in card.models.items():
+                if getattr(model, "_cp_plan", None) is not None:
+                    enable_sequence_parallel(model, self.mesh)
+                    self.sequence_experts.append(name)
+            rank_zero_info(f"sequence parallel: groups of {self.sequence_parallel} processes share each sample's "
+                           f"tokens in {self.sequence_experts}; {self.world_size // self.sequence_parallel} "
+                           f"data-parallel rank(s)")
         for name, spec in card.specs.items():
             if not spec.sharded:
                 continue
@@ -178,6 +212,14 @@ class ShardedExpertsStrategy(DDPStrategy):
     def expert_backward(self, module, loss: torch.Tensor, experts: list[str], last: bool = True) -> None:
         """One backward of ``loss``: through the engine of a sharded expert, else Lightning's. ``last``: the
         final backward of the iteration (several come when a method backs up per-step losses)."""
+        sequence = [name for name in experts if name in self.sequence_experts]
+        if sequence:
+            if len(sequence) < len(experts):
+                raise NotImplementedError(f"one loss backpropagated into sequence-parallel experts {sequence} and "
+                                          f"others {sorted(set(experts) - set(sequence))}: give them separate losses")
+            # each process of a sequence group backpropagates its own tokens of the same loss: the group's sum is
+            # the gradient, and DDP / ZeRO average over every process, so k times the loss gives the data average
+            loss = loss * self.sequence_parallel
         sharded = [name for name in experts if name in self.engines]
         if not sharded:
             module.manual_backward(loss)
@@ -317,22 +359,95 @@ class ShardedExpertsStrategy(DDPStrategy):
         if not self.engines:  # validate / predict / test: full weights, no engines
             return ckpt.load(path)  # verified, ZeRO shards gathered into full weights
         checkpoint = ckpt.load(path, gather=False)  # every file verified (shards too); engines read their shards
-        self.check_resumable(checkpoint, path)
+        resized = self.check_resumable(checkpoint, path)
         with ckpt.restricted_unpickling(path):  # DeepSpeed's own torch.load calls: weights only, allow-listed types
             for name, engine in self.trained_engines.items():
-                load_path, _ = engine.load_checkpoint(os.path.join(path, name), tag=self._load_tag(name),
-                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
-                if load_path is None:
-                    raise FileNotFoundError(f"no ZeRO checkpoint of expert {name!r} under "
-                                            f"{os.path.join(path, name)!r}")
+                if name not in resized:
+                    self._load_engine(engine, os.path.join(path, name), self._load_tag(name))
+        if resized:
+            self._load_resized(path, checkpoint, resized)
         return checkpoint
+
+    def _load_engine(self, engine, folder: str, tag: str, universal: bool = False) -> None:
+        """``engine.load_checkpoint`` of its shards (weights, optimizer, scheduler) in ``folder/tag``; ``universal``:
+        a universal checkpoint, whatever the engine's config says."""
+        configured = engine._config.load_universal_checkpoint  # DeepSpeed reads it when it loads, not before
+        engine._config.load_universal_checkpoint = configured or universal
+        try:
+            load_path, _ = engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        finally:
+            engine._config.load_universal_checkpoint = configured
+        if load_path is None:
+            raise FileNotFoundError(f"no ZeRO checkpoint under {os.path.join(folder, tag)!r}")
+
+    def _load_resized(self, path: str, checkpoint: dict, names: list[str]) -> None:
+        """Resume the engines of ``names``, whose shards were written at another world size: rank 0 converts them
+        to DeepSpeed's universal checkpoint (``ckpt.to_universal``) in a temporary folder beside the checkpoint (the
+        checkpoint itself stays as written, and a kill leaves only a ``.tmp-`` folder the next save removes), every
+        process loads its new partition from there, the weights that arrived are checked against the shards'
+        (``verify_resized``), and the temporary folder goes."""
+        saved = checkpoint["posttrain_sharded"]
+        was = saved[names[0]]["world_size"]
+        where = os.path.realpath(path)
+        temp = ckpt.temp_path(where + ".universal", self.broadcast(ckpt.new_token() if self.is_global_zero else None))
+        failure = None
+        if self.is_global_zero:
+            try:
+                for name in names:
+                    ckpt.to_universal(os.path.join(path, name, TAG), os.path.join(temp, name, UNIVERSAL),
+                                      saved[name]["stage"])
+            except Exception as err:  # a full disk, a shard DeepSpeed cannot convert
+                failure = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        failure = self.broadcast(failure)
+        try:
+            if failure is not None:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path!r} was written by {was} processes, this run has {self.world_size}: converting "
+                    f"the ZeRO shards of {names} to DeepSpeed's universal checkpoint (in {temp!r}) failed: {failure}. "
+                    f"Nothing was loaded; resume with devices*num_nodes = {was}, or free space beside the checkpoint")
+            with ckpt.restricted_unpickling(temp):
+                for name in names:
+                    self._load_engine(self.engines[name], os.path.join(temp, name), UNIVERSAL, universal=True)
+            self.verify_resized(path, names)
+        finally:
+            self.barrier("resized_checkpoint_loaded")
+            if self.is_global_zero:
+                shutil.rmtree(temp, ignore_errors=True)
+        rank_zero_info(f"resumed {path}, written by {was} processes, on {self.world_size}: the ZeRO shards of {names} "
+                       f"were converted to DeepSpeed's universal checkpoint, resharded, and their weights verified")
+
+    def verify_resized(self, path: str, names: list[str]) -> None:
+        """Every parameter of the engines of ``names`` equals (in its dtype) the full weights rebuilt from the
+        checkpoint's shards by ``zero_to_fp32`` (an independent reading of them), checked on rank 0 one gathered
+        parameter at a time; a difference stops the run before training, naming the parameters."""
+        import deepspeed
+
+        differ: list[str] = []
+        for name in names:
+            with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
+                reference = ckpt.full_weights(os.path.join(path, name)) if self.is_global_zero else {}
+            for key, param in self._card().models[name].named_parameters():
+                gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") \
+                    else contextlib.nullcontext()
+                with gathered:
+                    if self.is_global_zero and (key not in reference or not torch.equal(
+                            param.detach().cpu(), reference[key].to(param.dtype))):
+                        differ.append(f"{name}.{key}")
+        differ = self.broadcast(differ)
+        if differ:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path!r}: after resharding to {self.world_size} processes, {len(differ)} parameter(s) "
+                f"differ from the checkpoint's shards (e.g. {differ[:3]}); nothing was trained. Resume with the "
+                f"world size the checkpoint was written at")
 
     def _load_tag(self, name: str) -> str:
         universal = self._card().specs[name].zero.extra.get("checkpoint", {}).get("load_universal", False)
-        return f"{TAG}_universal" if universal else TAG
+        return UNIVERSAL if universal else TAG
 
-    def check_resumable(self, checkpoint: dict, path: str) -> None:
-        """Refuse, before anything loads, a checkpoint of other experts, other ZeRO stages or world size."""
+    def check_resumable(self, checkpoint: dict, path: str) -> list[str]:
+        """Refuse, before anything loads, a checkpoint of other experts or other ZeRO stages; returns the experts
+        whose shards were written at another world size (``_load_resized`` reshards them)."""
         card = self._card()
         if "posttrain" in checkpoint:
             check_signature(checkpoint["posttrain"]["signature"], card.signature())
@@ -353,17 +468,7 @@ class ShardedExpertsStrategy(DDPStrategy):
         if problems:
             raise ValueError(f"checkpoint {path!r} does not match this run's sharding; nothing was loaded:\n  - "
                              + "\n  - ".join(problems))
-        if resize:
-            saved_world = saved[resize[0]]["world_size"]
-            commands = "\n".join(
-                f"    python -m deepspeed.checkpoint.ds_to_universal --input_folder {os.path.join(path, n, TAG)} "
-                f"--output_folder {os.path.join(path, n, TAG + '_universal')}"
-                + (" --inject_missing_state" if saved[n]["stage"] == 2 else "") for n in resize)
-            raise ValueError(
-                f"checkpoint {path!r} was written by {saved_world} processes, this run has {self.world_size}: ZeRO "
-                f"shards of {resize} cannot be loaded at another world size. Convert them to DeepSpeed universal "
-                f"checkpoints once:\n{commands}\nthen add `zero: {{extra: {{checkpoint: {{load_universal: true}}}}}}` "
-                f"to each of those experts and resume again (or resume with devices*num_nodes = {saved_world}).")
+        return resize
 
 
 # ---------------------------------------------------------------------- DeepSpeed configs
