@@ -82,7 +82,7 @@ class Rewards(Callback):
 
     def read(self, trainer) -> None:
         for key, value in trainer.callback_metrics.items():
-            if key == "train/reward" or key.startswith(("train/reward/", "train/kept_samples/")):
+            if key == "train/reward" or key.startswith(("train/reward/", "train/kept_samples/", "train/clip_frac/")):
                 self.values.setdefault(key, []).append(float(value))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
