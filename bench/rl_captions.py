@@ -1,20 +1,23 @@
 """RL on the world's captions, over seeds and against a zero-learning-rate control (issue 18, section 3).
 
 For a config (``flow_grpo``, ``diffusion_nft``), every seed s trains the shipped pretrained generator with
-``seed_everything``, the data's and the method's seeds all set to s (the real ``fit`` of the config, W&B offline,
-checkpoints in a temporary folder), and the control trains seed 0 at learning rate 0. Before and after, the
-serving generator (the config's ``sampler``: ODE, its steps, its CFG) samples evaluation captions of seen
-concepts drawn by a seed training never uses, from noise seeds training never uses, and is scored by synthetic
-GenEval (each fact, all four) and the Fréchet VAE distance of those samples to the rendered captions; all four is
-also given on the evaluation captions that no training caption equals (``unseen``: the world has 240 seen
-captions, so a training set of 256 draws holds about half of them). A sheet of the first evaluation prompts,
-before and after, is written with ``--sheet``.
+``seed_everything``, the data's and the method's seeds all set to s (the real ``fit`` of the config, its
+validations included, W&B offline, checkpoints in a temporary folder), and the control trains the first seed at
+learning rate 0 (``--control-steps`` shortens it: at lr 0 nothing moves, so its "after" is its "before" at any
+length). Before and after, the serving generator (the config's ``sampler``: ODE, its steps, its CFG) samples
+128 evaluation captions of seen concepts drawn by a seed training never uses, from noise seeds training never
+uses, and is scored by synthetic GenEval (each fact, all four) and the Fréchet VAE distance of those samples to
+the rendered captions; all four is also given on the evaluation captions that no training caption equals
+(``unseen``: the world has 240 seen-concept captions, so a training set of 256 draws holds about two thirds). The
+training reward (first and last tenth of its curve) stands beside them, and a Markdown table of it all (mean
+[min, max] over the seeds, the control) is printed last. ``--sheet`` writes a matplotlib PNG of the first seed's
+evaluation captions whose all-four verdict training changed, before and after.
 
-    OMP_NUM_THREADS=1 python bench/rl_captions.py flow_grpo --seeds 0 1 2 --control --sheet docs/rl/flow_grpo.png
-    python bench/rl_captions.py diffusion_nft --seeds 0 --set trainer.max_steps=300   # any override
+    OMP_NUM_THREADS=1 python bench/rl_captions.py diffusion_nft --seeds 0 1 2 --control --sheet docs/rl/diffusion_nft.png
+    python bench/rl_captions.py flow_grpo --seeds 0 --at 100 200 --set trainer.max_steps=300   # a curve; any override
 
-The fit's wall and CPU time are printed per run (the budget is CPU-bound: on 2 idle cores the wall time is about
-the CPU time of a one-thread run).
+The fit's wall and CPU seconds are printed per run (the budget is CPU-bound: on 2 idle cores the wall time of a
+one-thread run is about its CPU time).
 """
 from __future__ import annotations
 
