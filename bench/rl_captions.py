@@ -13,7 +13,7 @@ training reward (first and last tenth of its curve) stands beside them, and a Ma
 [min, max] over the seeds, the control) is printed last. ``--sheet`` writes a matplotlib PNG of the first seed's
 evaluation captions whose all-four verdict training changed, before and after.
 
-    OMP_NUM_THREADS=1 python bench/rl_captions.py diffusion_nft --seeds 0 1 2 --control --sheet docs/rl/diffusion_nft.png
+    OMP_NUM_THREADS=1 python bench/rl_captions.py diffusion_nft --control --sheet docs/rl/diffusion_nft.png
     python bench/rl_captions.py flow_grpo --seeds 0 --at 100 200 --set trainer.max_steps=300   # a curve; any override
 
 The fit's wall and CPU seconds are printed per run (the budget is CPU-bound: on 2 idle cores the wall time of a
@@ -155,7 +155,8 @@ def table(config: str, runs: list[dict], control: Optional[dict]) -> str:
     names = {"all": "GenEval all four (seen concepts)", "unseen": "GenEval all four, captions training never saw",
              "frechet": "Fréchet VAE distance to data (lower is better)"}
     for key in ("all",) + FACTS + ("unseen", "frechet"):
-        cells = [names.get(key, f"GenEval {key}"), f"{runs[0]['before'][key]:.3f}", spread([r["after"][key] for r in runs])]
+        cells = [names.get(key, f"GenEval {key}"), f"{runs[0]['before'][key]:.3f}",
+                 spread([r["after"][key] for r in runs])]
         if control:
             cells.append(f"{control['after'][key]:.3f}")
         rows.append("| " + " | ".join(cells) + " |")
