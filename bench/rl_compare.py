@@ -7,8 +7,8 @@ Methods (each a config of ``configs/``, run as it is in the repository, through 
   *request-GenEval*: every fact a request asks is shown ("all asked facts"), through the method's serving path;
   ``prompt_rl`` (the refiner trains, the generator is frozen), ``generator_rl`` (the generator trains, served
   through the frozen refiner), ``flow_grpo_requests`` (Flow-GRPO served the requests verbatim: PromptRL's
-  flow-only RL), ``unified_rl`` (joint, N = 1) and ``joint_rl`` (joint, N = 3, one concern each, per-expert
-  credit);
+  flow-only RL), ``unified_rl_requests`` (joint, N = 1) and ``joint_rl_requests`` (joint, N = 3, one concern
+  each, per-expert credit);
 - on captions, scored by caption GenEval (all four facts): ``flow_grpo`` and ``diffusion_nft``.
 
 Every point of a curve is evaluated on requests and noise never trained on: 64 requests of facts drawn with
@@ -22,7 +22,7 @@ captions; with refiners, their greedy rewrite accuracy (``modules.requests.accur
 rollouts and evaluations, no learning.
 
     python bench/rl_compare.py                                   # every method, 3 seeds, controls
-    python bench/rl_compare.py --methods unified_rl generator_rl --seeds 0
+    python bench/rl_compare.py --methods unified_rl_requests generator_rl --seeds 0
     python bench/rl_compare.py --plot-only                       # table and PNG from the saved runs
 
 Each run is saved as ``<out>/<method>_s<seed>.json`` (``_control``) and skipped when present (``--rerun``
@@ -58,8 +58,8 @@ METHODS = {
     "prompt_rl": Method("prompt_rl.yaml", "requests", "prompt-only RL (refiner; generator frozen)"),
     "generator_rl": Method("generator_rl.yaml", "requests", "generator-only RL (through the frozen refiner)"),
     "flow_grpo_requests": Method("flow_grpo_requests.yaml", "requests", "generator-only RL (requests verbatim)"),
-    "unified_rl": Method("unified_rl.yaml", "requests", "joint RL, N = 1 (refiner + generator)"),
-    "joint_rl": Method("joint_rl.yaml", "requests", "joint RL, N = 3 (per-expert credit)"),
+    "unified_rl_requests": Method("unified_rl_requests.yaml", "requests", "joint RL, N = 1 (refiner + generator)"),
+    "joint_rl_requests": Method("joint_rl_requests.yaml", "requests", "joint RL, N = 3 (per-expert credit)"),
     "flow_grpo": Method("flow_grpo.yaml", "captions", "Flow-GRPO (captions)"),
     "diffusion_nft": Method("diffusion_nft.yaml", "captions", "DiffusionNFT (captions)"),
 }
@@ -193,7 +193,7 @@ def run_one(name: str, seed: int, control: bool, iterations: Optional[int], poin
     tag = f"{name}_s{seed}" + ("_control" if control else "")
     args = ["--config", os.path.join(ROOT, "configs", method.config), f"--seed_everything={seed}",
             f"--model.init_args.run.seed={seed}", f"--data.init_args.seed={seed}", "--trainer.logger=false",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
             f"--trainer.default_root_dir={os.path.join(out, 'runs', tag)}"]
     if iterations is not None:
         args.append(f"--trainer.max_steps={iterations}")
@@ -205,6 +205,8 @@ def run_one(name: str, seed: int, control: bool, iterations: Optional[int], poin
     finally:
         os.chdir(cwd)
     trainer, module = cli.trainer, cli.model
+    # the curve's evaluations replace the run's sample videos (and validation: limit_val_batches=0)
+    trainer.callbacks = [c for c in trainer.callbacks if type(c).__name__ != "SampleVideos"]
     total = trainer.max_steps
     marks = sorted({max(1, round(total * (k + 1) / points)) for k in range(points)})
     curve = Curve(method.kind, EvalSet(frames=module.video.frames, height=module.video.height,
@@ -264,8 +266,9 @@ def videos_to_reach(runs: list[dict], key: str, target: float) -> Optional[float
 def report(out: str, png: str) -> str:
     runs = load(out)
     lines = ["| method | config | seeds | iterations | videos | score before | score after | control after | "
-             "paraphrase before → after | caption GenEval before → after | Fréchet before → after | train CPU-s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "paraphrase before → after | refiner rewrite accuracy before → after | caption GenEval before → after | "
+             "Fréchet before → after | train CPU-s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, method in METHODS.items():
         trained = runs.get((name, False))
         if not trained:
@@ -283,9 +286,14 @@ def report(out: str, png: str) -> str:
                   f"{interval([r['rows'][-1]['caption/all'] for r in trained])}"
         frechet = f"{interval([r['rows'][0]['frechet'] for r in trained])} → " \
                   f"{interval([r['rows'][-1]['frechet'] for r in trained])}"
+        rewrite = "–"
+        keys = sorted(k for k in trained[0]["rows"][0] if k.startswith("rewrite/") and k.endswith("/all"))
+        if keys:  # greedy rewrite accuracy of each refiner, seen and held-out wording
+            rewrite = "; ".join(f"{k[len('rewrite/'):-len('/all')]} {interval([r['rows'][0][k] for r in trained])} → "
+                                f"{interval([r['rows'][-1][k] for r in trained])}" for k in keys)
         cpu = interval([r["train_cpu_s"] for r in trained]).replace(".000", "")
         lines.append(f"| {method.label} | `configs/{method.config}` | {len(trained)} | {trained[0]['iterations']} | "
-                     f"{trained[0]['videos']} | {interval(first)} | {interval(last)} | {control_text} | {para} | "
+                     f"{trained[0]['videos']} | {interval(first)} | {interval(last)} | {control_text} | {para} | {rewrite} | "
                      f"{caption} | {frechet} | {cpu} |")
     lines += ["", "Claims:"]
     lines += claims(runs)
@@ -309,8 +317,8 @@ def claims(runs) -> list[str]:
 
     lines = [reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
     for baseline in ("generator_rl", "flow_grpo_requests"):
-        lines.append(reach("unified_rl", baseline, "seen/all", 2.0))
-    joint = runs.get(("unified_rl", False))
+        lines.append(reach("unified_rl_requests", baseline, "seen/all", 2.0))
+    joint = runs.get(("unified_rl_requests", False))
     for baseline in ("generator_rl", "flow_grpo_requests"):
         base = runs.get((baseline, False))
         if joint and base:

@@ -256,7 +256,8 @@ def test_bad_input_is_rejected_with_clear_messages():
 
 
 @pytest.mark.parametrize("name,n,credit", [("joint_rl", 3, "per_expert"), ("unified_rl", 1, "shared"),
-                                           ("prompt_rl", 1, "shared"), ("generator_rl", 1, "shared")])
+                                           ("prompt_rl", 1, "shared"), ("generator_rl", 1, "shared"),
+                                           ("unified_rl_requests", 1, "shared"), ("joint_rl_requests", 3, "per_expert")])
 def test_configs_parse(name, n, credit):
     cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", f"{name}.yaml")], run=False)
     assert isinstance(cli.model, JointRL)
