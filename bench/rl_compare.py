@@ -291,7 +291,8 @@ def report(out: str, png: str) -> str:
         if keys:  # greedy rewrite accuracy of each refiner, seen and held-out wording
             rewrite = "; ".join(f"{k[len('rewrite/'):-len('/all')]} {interval([r['rows'][0][k] for r in trained])} → "
                                 f"{interval([r['rows'][-1][k] for r in trained])}" for k in keys)
-        cpu = interval([r["train_cpu_s"] for r in trained]).replace(".000", "")
+        cpus = [r["train_cpu_s"] for r in trained]
+        cpu = f"{sum(cpus) / len(cpus):.0f} [{min(cpus):.0f}–{max(cpus):.0f}]"
         lines.append(f"| {method.label} | `configs/{method.config}` | {len(trained)} | {trained[0]['iterations']} | "
                      f"{trained[0]['videos']} | {interval(first)} | {interval(last)} | {control_text} | {para} | {rewrite} | "
                      f"{caption} | {frechet} | {cpu} |")
