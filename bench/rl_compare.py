@@ -27,7 +27,7 @@ rollouts and evaluations, no learning.
 
 Each run is saved as ``<out>/<method>_s<seed>.json`` (``_control``) and skipped when present (``--rerun``
 redoes it), so a re-run after a config changes redoes only ``--rerun --methods <it>``. Writes
-``<out>/rl_compare.md`` and ``docs/rl/rl_compare.png``.
+``<out>/rl_compare.md`` and ``docs/rl/rl_compare.png`` (with the table beside it, ``docs/rl/rl_compare.md``).
 """
 from __future__ import annotations
 
@@ -399,8 +399,9 @@ def main() -> None:
                 json.dump(result, f, indent=1)
             os.replace(path + ".tmp", path)
     table = report(args.out, args.png)
-    with open(os.path.join(args.out, "rl_compare.md"), "w") as f:
-        f.write(table + "\n")
+    for folder in (args.out, os.path.dirname(args.png)):  # the run folder and, beside the PNG, docs/rl/
+        with open(os.path.join(folder, "rl_compare.md"), "w") as f:
+            f.write(table + "\n")
     print(table)
     print(f"\n(bench wall time {time.time() - start:.0f} s; {args.png})")
 
