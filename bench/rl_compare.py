@@ -314,9 +314,12 @@ def claims(runs) -> list[str]:
         verdict = "reproduces" if got is not None and ratio >= factor else "does not reproduce"
         where = f"{got:.0f} videos ({ratio:.1f}× fewer)" if got is not None else "never within its budget"
         return (f"- {fast} reaches {slow}'s final {key} ({target:.3f}, at {budget} videos) at {where}: the ≥ "
-                f"{factor:g}× claim {verdict}")
+                f"{factor:g}× claim {verdict} ({len(a)} vs {len(b)} seeds)")
 
-    lines = [reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
+    se = math.sqrt(0.3 * 0.7 / EVAL_PROMPTS)
+    lines = [f"- (one evaluation's sampling error at a score of 0.3: ±{se:.3f}, {EVAL_PROMPTS} requests; a claim "
+             f"decided by less than that, or on one seed, is not evidence)",
+             reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
     for baseline in ("generator_rl", "flow_grpo_requests"):
         lines.append(reach("unified_rl_requests", baseline, "seen/all", 2.0))
     joint = runs.get(("unified_rl_requests", False))
@@ -328,7 +331,8 @@ def claims(runs) -> list[str]:
             seen_base = gain(base, "seen/all")
             verdict = "reproduces" if sum(g_base) / len(g_base) < sum(g_joint) / len(g_joint) else "does not reproduce"
             lines.append(f"- on held-out paraphrases {baseline} gains {interval(g_base)} (seen wording "
-                         f"{interval(seen_base)}), joint RL (N = 1) {interval(g_joint)}: the claim {verdict}")
+                         f"{interval(seen_base)}), joint RL (N = 1) {interval(g_joint)}: the claim {verdict} "
+                         f"({len(joint)} vs {len(base)} seeds)")
     return lines
 
 
