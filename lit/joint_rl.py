@@ -1,23 +1,28 @@
 """Joint RL of N prompt-refiner LMs and one generator from one reward (UniRL / PromptRL with N = 1).
 
-Per prompt, K generator samples form a group. For each of its K − s refined samples every refiner LM
-samples its own refinement of the prompt (token log-probs captured); the refinements compose, in
-refiner order, into the generator prompt; the other s = ``num_skip_refinement`` samples use the
-original prompt, so the group contrasts refined against unrefined. All K roll out with the sampler's
+Per prompt (a user request), K generator samples form a group. For each of its K − s refined samples every
+refiner LM samples its own refinement of the request (token log-probs captured); the refinements compose, in
+refiner order, into the prompt the generator is served (``mode: rewrite``: it replaces the request; ``append``:
+it follows it; with ``concerns`` each refiner writes one part of the caption, ``requests.compose_concerns``);
+the other s = ``num_skip_refinement`` samples are served the request verbatim, so the group contrasts refined
+against unrefined. The reward scores what the user asked (the batch's facts, ``modules/intent.py``), never the
+served text. All K roll out with the sampler's
 SDE step (log p captured), are decoded and scored by one reward; group advantages follow. Each
 refiner is updated by the token policy gradient ``-(A·exp(lp - sg(lp)))`` plus a k3 KL to its frozen
 reference; the generator by Flow-GRPO's PPO-clip loss on the refined samples plus a KL to its own
 reference. ``credit: per_expert`` gives refiner i the advantage of its own reward term;
-``joint: false`` freezes the generator (ODE rollout, no optimizer). Each expert has its own optimizer
+``joint: false`` freezes the generator (ODE rollout, no optimizer: prompt-only RL, RePrompt); refiners with
+``trainable: false`` are served frozen (generator-only RL through the refiner). Each expert has its own optimizer
 and learning rate; one iteration = one prompt batch, whatever N. Math: METHODS.md (joint_rl),
 ``modules/refiners.py``, ``modules/rollout.py``.
 
-    posttrain fit --config configs/joint_rl.yaml          # N = 3, per-expert credit
-    posttrain fit --config configs/unified_rl.yaml        # N = 1 (UniRL / PromptRL)
+    posttrain fit --config configs/joint_rl.yaml          # N = 3 on requests, one concern each, per-expert credit
+    posttrain fit --config configs/unified_rl.yaml        # N = 1 on requests (UniRL / PromptRL)
+    posttrain fit --config configs/prompt_rl.yaml         # N = 1, generator frozen (prompt-only RL)
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch.loggers import WandbLogger
@@ -27,14 +32,10 @@ from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules import batch as batch_schema
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.grpo import GRPOArgs, sde_problems, train_rows
-from posttrain.modules.refiners import (
-    DEFAULT_TEMPLATE,
-    Refinements,
-    compose_prompt,
-    refiner_c2_gap,
-    refiner_loss,
-    sample_refinements,
-)
+from posttrain.modules.refiners import Refinements, refiner_c2_gap, refiner_loss, sample_refinements
+from posttrain.modules.requests import CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, facts_from_batch, \
+    refinement_tokens, serve
+from posttrain.modules.world import FACTS
 from posttrain.modules.rewards import ColourAlignment, Reward, RewardOutput, credited_term, score, term_problems
 from posttrain.modules.rollout import Rollout, mean_metrics, train_steps
 from posttrain.modules.samplers import FlowMatchSampler
@@ -42,28 +43,44 @@ from posttrain.modules.samplers import FlowMatchSampler
 
 class JointRL(ExpertModule):
     """Args:
-        card: needs ``text_encoder``, ``vae``, ``transformer`` and ``num_refiners >= 1`` trainable
-            ``qwen2`` refiners (``refiner_0``…). With ``joint`` the transformer is trainable; without,
-            it must be ``trainable: false``.
+        card: needs ``text_encoder``, ``vae``, ``transformer`` and ``num_refiners >= 1`` ``qwen2`` refiners
+            (``refiner_0``…; ``pretrained: modules/assets/refiner``, the world's refiner). With ``joint`` the
+            transformer is trainable; without, it must be ``trainable: false``. A refiner with ``trainable:
+            false`` is served as it is (no optimizer, no reference, its version never moves).
         sampler: the serving sampler (``generate``, validation, sample videos).
         rollout_sampler: what the generator's rollouts run and their recompute reads (its SDE step:
             ``noise_level``, ``sde_window``; its steps and CFG); None = ``sampler`` (train ≡ serve).
-        reward: scores decoded videos against the original prompts; reads the refinements from its
-            context. None = ``ColourAlignment()``.
+        reward: scores decoded videos against what the user asked: its context holds the requests
+            (``original_prompts``), each refiner's text (``refinements``) and, when the batch carries them
+            (``datamodules.Requests``), the requests' ``facts``. None = ``ColourAlignment()``.
         grpo: the GRPO settings (K, timestep fraction, PPO clip, the generator's KL, advantages, which rows
             train, micro-batches of the generator's forward; ``modules.grpo.GRPOArgs``); one update per rollout
             batch (no inner epochs or minibatches).
-        num_skip_refinement: how many of the K samples use the original prompt.
+        num_skip_refinement: how many of the K samples are served the request verbatim.
         credit: ``shared`` credits every refiner with the total reward's advantage; ``per_expert``
             credits refiner i with the advantage of the reward term named after it.
         generator_term: credit the generator with the advantage of this reward term (e.g. ``colour``,
             the media part of a weighted reward) instead of the total's; None = the total.
         joint: train the generator too; False freezes it (ODE rollout, no optimizer).
-        max_new_tokens: longest refinement, in byte tokens.
-        temperature: the refiners' sampling temperature.
-        refiner_template: the refiners' chat-free context, formatted with ``prompt``.
+        mode: ``rewrite``: the refinement replaces the request (what a pretrained rewriter is for);
+            ``append``: it follows the request (``request, refinement``).
+        concerns: refiner i writes concern ``concerns[i]`` (``shape``, ``colours`` or ``motion``,
+            ``requests.CONCERNS``) and the parts compose into the world's caption (``requests.compose_concerns``);
+            None = each refiner writes a whole refinement (N > 1: joined by ``", "``). Give the reward the
+            same map (``IntentReward(concerns={refiner_0: shape, ...})``) so per-expert credit scores each
+            refiner on the facts it writes.
+        max_new_tokens: longest refinement, in tokens; None = sized for the task (``requests.refinement_tokens``:
+            a whole caption, 56 bytes, or the refiner's concern).
+        temperature: the refiners' sampling temperature (training and serving).
+        refiner_template: each refiner's chat-free context, formatted with ``prompt``: one for all or one per
+            refiner; None = the task's own (``requests.REWRITE_TEMPLATE`` ``"{prompt}\\n"``, or the concern's
+            ``requests.CONCERN_TEMPLATES``, as the shipped refiner was pretrained).
         refiner_kl: weight of each refiner's k3 KL to its frozen reference.
-        table_every_n_iterations: log a W&B table of prompts, refinements and rewards this often.
+        shared_noise: the K samples of a request start from one initial noise (common random numbers): within a
+            group the rewards then differ by what was served (and, when the generator trains, by its SDE
+            noise), not by the draw; False draws each sample's own.
+        table_every_n_iterations: log a W&B table of each sample's request, refinements, the prompt the
+            generator was served and its reward this often.
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -71,30 +88,43 @@ class JointRL(ExpertModule):
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
                  grpo: Optional[GRPOArgs] = None, num_skip_refinement: int = 1,
                  credit: Literal["shared", "per_expert"] = "shared", generator_term: Optional[str] = None,
-                 joint: bool = True, max_new_tokens: int = 8, temperature: float = 1.0,
-                 refiner_template: str = DEFAULT_TEMPLATE, refiner_kl: float = 0.01,
-                 table_every_n_iterations: int = 50, run: Optional[RunArgs] = None):
+                 joint: bool = True, mode: Literal["rewrite", "append"] = "rewrite",
+                 concerns: Optional[list[Literal["shape", "colours", "motion"]]] = None,
+                 max_new_tokens: Optional[int] = None, temperature: float = 1.0,
+                 refiner_template: Union[str, list[str], None] = None, refiner_kl: float = 0.01,
+                 shared_noise: bool = False, table_every_n_iterations: int = 50, run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
         self.rollout_sampler = rollout_sampler or self.sampler
         self.grpo = grpo or GRPOArgs()
         self.reward = reward if reward is not None else ColourAlignment()
-        problems = self._problems(card, num_skip_refinement, credit, generator_term, joint, max_new_tokens,
-                                  temperature, refiner_template, refiner_kl, table_every_n_iterations,
-                                  "rollout_sampler" if rollout_sampler else "sampler")
+        problems = self._problems(card, num_skip_refinement, credit, generator_term, joint, mode, concerns,
+                                  max_new_tokens, temperature, refiner_template, refiner_kl,
+                                  table_every_n_iterations, "rollout_sampler" if rollout_sampler else "sampler")
         if problems:
             raise ValueError("joint_rl:\n  - " + "\n  - ".join(problems))
         self.num_skip_refinement = num_skip_refinement
         self.credit, self.generator_term, self.joint = credit, generator_term, joint
-        self.max_new_tokens, self.temperature, self.refiner_template = max_new_tokens, temperature, refiner_template
-        self.refiner_kl = refiner_kl
+        self.mode, self.concerns = mode, (list(concerns) if concerns is not None else None)
+        self.temperature, self.refiner_kl, self.shared_noise = temperature, refiner_kl, shared_noise
+        # each refiner's context template and token budget (its task: the whole rewrite or its concern)
+        tasks = self.concerns or [None] * card.num_refiners
+        templates = refiner_template if isinstance(refiner_template, list) else [refiner_template] * len(tasks)
+        self.templates = {name: template or (CONCERN_TEMPLATES[task] if task else REWRITE_TEMPLATE)
+                          for name, template, task in zip(card.refiners, templates, tasks)}
+        self.max_new_tokens = {name: max_new_tokens or refinement_tokens(task)
+                               for name, task in zip(card.refiners, tasks)}
         self.table_every = table_every_n_iterations
         self.policy = self.stage.transformer
-        self.reference: Optional[str] = None  # the generator's frozen KL anchor, and each refiner's:
+        self.reference: Optional[str] = None  # the generator's frozen KL anchor, and each trained refiner's:
         self.references: dict[str, str] = {}  # added with the card's roles
-        self.served: dict[str, str] = {}  # prompt -> composed prompt of the last `generate`
+        self.served: dict[str, str] = {}  # request -> served prompt of the last `generate`
+
+    @property
+    def trained_refiners(self) -> list[str]:
+        return [name for name in self.card.refiners if self.card.specs[name].trainable]
 
     def setup_roles(self) -> None:
-        self.references = {name: self.card.add_role("reference", of=name) for name in self.card.refiners}
+        self.references = {name: self.card.add_role("reference", of=name) for name in self.trained_refiners}
         if self.joint and self.grpo.kl_beta > 0:
             self.reference = self.card.add_role("reference", of=self.policy)
 
@@ -103,34 +133,40 @@ class JointRL(ExpertModule):
         grpo, sampler = self.grpo, self.rollout_sampler
         K, S = grpo.num_samples_per_prompt, self.num_skip_refinement
         refiners = self.card.refiners
-        # Sample j = b·K + k of prompt b: k < K − S refined, the last S on the original prompt.
+        # Sample j = b·K + k of request b: k < K − S refined, the last S served the request verbatim.
         # Group keys come with the batch, the same on every process.
         originals = [p for p in prompts for _ in range(K)]
         group_ids = batch_schema.group_ids(batch, K)
         refined = torch.tensor([b * K + k for b in range(len(prompts)) for k in range(K - S)], device=self.device)
 
-        # 1. refiners sample: each refiner writes its own refinement for every refined sample
+        # 1. refiners sample: each refiner writes its own refinement for every refined sample; the served
+        #    prompts follow from them (``mode``, ``concerns``), a skip sample's is the request itself
         samples: dict[str, Refinements] = {}
         for name in refiners:
             samples[name] = sample_refinements(
                 self.card[name], self.card.tokenizers[name], [originals[j] for j in refined.tolist()],
-                self.generator, self.max_new_tokens, self.temperature, self.refiner_template)
+                self.generator, self.max_new_tokens[name], self.temperature, self.templates[name])
         texts = {name: [""] * len(originals) for name in refiners}  # "" = no refinement (skip samples)
         for name in refiners:
             for m, j in enumerate(refined.tolist()):
                 texts[name][j] = samples[name].texts[m]
-        generator_prompts = [compose_prompt(p, [texts[name][j] for name in refiners])
-                             for j, p in enumerate(originals)]
+        is_refined = set(refined.tolist())
+        served = [self._serve(p, [texts[name][j] for name in refiners] if j in is_refined else None)
+                  for j, p in enumerate(originals)]
 
-        # 2. roll out K samples per prompt: SDE with log p when the generator trains, else the ODE
-        cond, uncond = self.conditioning(generator_prompts, sampler)  # B·K rows
-        rollout = Rollout.sample(self.stage, sampler, cond, uncond, self.stage.latent_shape(self.video),
-                                 self.generator, sde=self.joint)
+        # 2. roll out K samples per request on what was served: SDE with log p when the generator trains,
+        #    else the ODE (``shared_noise``: a group's samples start from one draw)
+        cond, uncond = self.conditioning(served, sampler)  # B·K rows
+        shape = self.stage.latent_shape(self.video)
+        noise = None
+        if self.shared_noise:  # one draw per request, repeated for its K samples
+            noise = torch.randn((len(prompts), *shape), generator=self.generator).repeat_interleave(K, dim=0)
+        rollout = Rollout.sample(self.stage, sampler, cond, uncond, shape, self.generator, sde=self.joint, noise=noise)
 
-        # 3. score against the original prompts; group advantages of the total and, per expert, of its term
+        # 3. score against what was asked (the requests' facts); group advantages of the total and, per
+        #    expert, of its term
         videos = self.stage.decode(rollout.latents)  # (B·K, 3, F, H, W) in [-1, 1]
-        context = {"original_prompts": originals, "refinements": texts}
-        rewards = score(self.reward, videos, generator_prompts, context)
+        rewards = score(self.reward, videos, served, self._context(batch, originals, texts, K))
         advantages = grpo.advantages(rewards.total, group_ids).to(self.device)
         credited = {name: advantages for name in refiners}
         if self.credit == "per_expert":
@@ -147,7 +183,7 @@ class JointRL(ExpertModule):
         #    One backward over all refiners with signal; a refiner whose samples all have A = 0 (on every
         #    process) has no policy gradient this iteration and makes no step (its version does not move).
         refiner_losses, stepping = [], []
-        for name in refiners:
+        for name in self.trained_refiners:
             loss, metrics = refiner_loss(self.card, name, self.references[name], samples[name],
                                          credited[name][refined], self.temperature, self.refiner_kl)
             self.log(f"train/loss/{name}", loss.detach(), on_step=True)
@@ -174,22 +210,22 @@ class JointRL(ExpertModule):
                 for key, value in mean_metrics(metrics).items():
                     self.log(f"train/{key}/{self.policy}", value, on_step=True)
 
-        # 6. log: rewards, cache, and every so often the refinements as a W&B table
+        # 6. log: rewards, cache, and every so often what each sample was served, as a W&B table
         self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)
         self.log("train/reward_refined", rewards.total[refined].mean(), on_step=True)
         for name, value in rewards.terms.items():
             self.log(f"train/reward/{name}", value.mean(), on_step=True)
         self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
         if self.global_step % self.table_every == 0:
-            self._log_table(originals, texts, generator_prompts, rewards)
+            self._log_table(originals, texts, is_refined, served, rewards)
         return rewards.total.mean().detach()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of served samples (refine, then ODE) from fixed seeds: comparable across the run."""
         prompts = list(batch["prompt"])
-        refinements, composed = self.refine(prompts, seed=batch_idx)
-        videos = super().generate(composed, seed=batch_idx)
-        rewards = score(self.reward, videos, composed, {"original_prompts": prompts, "refinements": refinements})
+        refinements, served = self.refine(prompts, seed=batch_idx)
+        videos = super().generate(served, seed=batch_idx)
+        rewards = score(self.reward, videos, served, self._context(batch, prompts, refinements, 1))
         self.log("val/reward", rewards.total.mean(), prog_bar=True, batch_size=len(prompts))
         for name, value in rewards.terms.items():
             self.log(f"val/reward/{name}", value.mean(), batch_size=len(prompts))
@@ -197,29 +233,43 @@ class JointRL(ExpertModule):
     # ------------------------------------------------------------------ serving
     @torch.no_grad()
     def refine(self, prompts: list[str], seed: int = 0) -> tuple[dict[str, list[str]], list[str]]:
-        """Each refiner's refinement of each prompt (sampled as in training, from an rng seeded with ``seed``)
-        and the composed generator prompts."""
+        """Each refiner's refinement of each request (sampled as in training, from an rng seeded with ``seed``)
+        and the prompts the generator is served."""
         rng = torch.Generator().manual_seed(seed)
         refinements = {name: sample_refinements(self.card[name], self.card.tokenizers[name], prompts, rng,
-                                                self.max_new_tokens, self.temperature, self.refiner_template).texts
+                                                self.max_new_tokens[name], self.temperature,
+                                                self.templates[name]).texts
                        for name in self.card.refiners}
-        composed = [compose_prompt(p, [refinements[n][b] for n in self.card.refiners]) for b, p in enumerate(prompts)]
-        return refinements, composed
+        served = [self._serve(p, [refinements[n][b] for n in self.card.refiners]) for b, p in enumerate(prompts)]
+        return refinements, served
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False) -> torch.Tensor:
         """Serving = the trained system: the refiners refine (seeded by ``seed``), the generator samples."""
-        _, composed = self.refine(prompts, seed)
-        self.served = dict(zip(prompts, composed))
-        return super().generate(composed, seed=seed, latents_only=latents_only)
+        _, served = self.refine(prompts, seed)
+        self.served = dict(zip(prompts, served))
+        return super().generate(served, seed=seed, latents_only=latents_only)
 
     def sample_captions(self, prompts: list[str]) -> list[str]:
-        """Captions ``prompt → refined prompt`` of the last ``generate`` (read by ``callbacks.SampleVideos``)."""
+        """Captions ``request → served prompt`` of the last ``generate`` (read by ``callbacks.SampleVideos``)."""
         return [f"{p} → {self.served.get(p, p)}" for p in prompts]
 
     # ------------------------------------------------------------------ helpers
-    def _problems(self, card, S, credit, generator_term, joint, max_new_tokens, temperature, template, refiner_kl,
-                  table_every, sampler_option) -> list[str]:
+    def _serve(self, request: str, refinements: Optional[Sequence[str]]) -> str:
+        """The prompt the generator is served for ``request`` and the refiners' texts (None: a skip sample)."""
+        return serve(request, refinements, self.mode, self.concerns)
+
+    @staticmethod
+    def _context(batch: dict, originals: list[str], texts: dict[str, list[str]], repeats: int) -> dict:
+        """The reward's context: the requests, each refiner's text and, when the batch carries them, the
+        requests' facts (one per sample: each request's repeated ``repeats`` times)."""
+        context = {"original_prompts": originals, "refinements": texts}
+        if all(fact in batch for fact in FACTS):
+            context["facts"] = [f for f in facts_from_batch(batch) for _ in range(repeats)]
+        return context
+
+    def _problems(self, card, S, credit, generator_term, joint, mode, concerns, max_new_tokens, temperature,
+                  template, refiner_kl, table_every, sampler_option) -> list[str]:
         """Every configuration problem, collected before anything is built."""
         problems = self.card_problems("joint_rl", trains=())  # the generator trains only when joint
         problems += self.grpo.problems("joint_rl", unused=("num_inner_epochs", "num_minibatches"))
@@ -230,8 +280,7 @@ class JointRL(ExpertModule):
             spec = card.specs[name]
             if spec.arch != "qwen2":
                 problems.append(f"{name} has arch {spec.arch!r}; refiners are causal LMs: use arch qwen2")
-            if not spec.trainable:
-                problems.append(f"{name} is not trainable: set `trainable: true` and give it an optimizer")
+        trains_refiner = any(card.specs[name].trainable for name in card.refiners)
         if card.has(self.stage.transformer):
             trainable = card.specs[self.stage.transformer].trainable
             if joint and not trainable:
@@ -240,18 +289,39 @@ class JointRL(ExpertModule):
             if not joint and trainable:
                 problems.append("joint=false freezes the generator, but the card's transformer is trainable=true: "
                                 "set `trainable: false` and remove its optimizer")
+        if card.num_refiners and not joint and not trains_refiner:
+            problems.append("nothing trains: joint=false freezes the generator and every refiner is trainable=false; "
+                            "set the refiner `trainable: true` with an optimizer, or joint: true")
         K = self.grpo.num_samples_per_prompt
         if not 0 <= S < K:
             problems.append(f"num_skip_refinement={S} must be in [0, grpo.num_samples_per_prompt={K}): at least one "
                             f"sample per prompt must use the refinements")
         if credit not in ("shared", "per_expert"):
             problems.append(f"credit={credit!r}; choose 'shared' or 'per_expert'")
-        if max_new_tokens < 1:
-            problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if mode not in ("rewrite", "append"):
+            problems.append(f"mode={mode!r}; choose 'rewrite' (the refinement replaces the request) or 'append' "
+                            f"(it follows the request)")
+        if concerns is not None:
+            unknown = [c for c in concerns if c not in CONCERNS]
+            if unknown or len(set(concerns)) != len(concerns) or len(concerns) != card.num_refiners:
+                problems.append(f"concerns={list(concerns)} must give each of the {card.num_refiners} refiners its own "
+                                f"concern, one of {list(CONCERNS)} (e.g. [shape, colours, motion] for 3), or be null")
+            else:
+                wanted = dict(zip(card.refiners, concerns))
+                given = getattr(self.reward, "concerns", None)
+                if given is not None and given and dict(given) != wanted:
+                    problems.append(f"the reward's concerns {dict(given)} are not the refiners' {wanted}: each refiner "
+                                    f"must be scored on the concern it writes; give the reward concerns={wanted}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            problems.append(f"max_new_tokens={max_new_tokens} must be >= 1 (or null: sized for the task)")
         if temperature <= 0:
             problems.append(f"temperature={temperature} must be > 0")
-        if "{prompt}" not in template:
-            problems.append(f"refiner_template={template!r} must contain '{{prompt}}'")
+        templates = template if isinstance(template, list) else [template]
+        if isinstance(template, list) and len(template) != card.num_refiners:
+            problems.append(f"refiner_template gives {len(template)} templates for {card.num_refiners} refiners: "
+                            f"give one for all, or one per refiner")
+        problems += [f"refiner_template={t!r} must contain '{{prompt}}'" for t in templates
+                     if t is not None and "{prompt}" not in t]
         if refiner_kl < 0:
             problems.append(f"refiner_kl={refiner_kl} must be >= 0")
         if table_every < 1:
@@ -259,7 +329,8 @@ class JointRL(ExpertModule):
         if joint:
             problems += sde_problems(self.rollout_sampler, sampler_option)
         # credit read from reward terms: ask the reward once, on a dummy sample, for the terms it returns
-        needed = [(name, "credit='per_expert'", f"add a RefinementKeyword target for {name} or use credit: shared")
+        needed = [(name, "credit='per_expert'",
+                   f"score each refiner's own part (IntentReward(concerns=...), RefinementKeyword) or use credit: shared")
                   for name in card.refiners if credit == "per_expert"]
         needed += [(generator_term, "generator_term", "name one of them or remove generator_term")
                    for _ in range(generator_term is not None)]
@@ -274,15 +345,23 @@ class JointRL(ExpertModule):
         gaps += [refiner_c2_gap(self.card[name], sample, self.temperature).cpu() for name, sample in samples.items()]
         return torch.stack(gaps).max()
 
-    def _log_table(self, originals, texts, generator_prompts, rewards: RewardOutput) -> None:
+    def served_table(self, originals: list[str], texts: dict[str, list[str]], refined: set[int], served: list[str],
+                     rewards: RewardOutput) -> tuple[list[str], list[list]]:
+        """The columns and rows of the samples table: per sample its request, whether it was refined, each
+        refiner's text, the prompt the generator was served (the very strings its conditioning was made from)
+        and its reward."""
+        columns = ["request", "refined", *self.card.refiners, "served", "reward"]
+        rows = [[originals[j], j in refined, *[texts[n][j] for n in self.card.refiners], served[j],
+                 float(rewards.total[j])] for j in range(len(originals))]
+        return columns, rows
+
+    def _log_table(self, originals, texts, refined, served, rewards: RewardOutput) -> None:
         loggers = [lg for lg in (self.loggers or []) if isinstance(lg, WandbLogger)]
         if not loggers or self.global_rank != 0:
             return
         import wandb
 
-        columns = ["prompt", *self.card.refiners, "generator_prompt", "reward"]
-        rows = [[originals[j], *[texts[n][j] for n in self.card.refiners], generator_prompts[j],
-                 float(rewards.total[j])] for j in range(len(originals))]
+        columns, rows = self.served_table(originals, texts, refined, served, rewards)
         for logger in loggers:
             logger.experiment.log({"train/refinements": wandb.Table(columns=columns, data=rows),
                                    "trainer/global_step": self.global_step})

@@ -306,6 +306,40 @@ def compose_concerns(shape: str, colours: str, motion: str) -> str:
     return text
 
 
+def serve(request: str, refinements: Optional[Sequence[str]], mode: Mode = "rewrite",
+          concerns: Optional[Sequence[str]] = None) -> str:
+    """The prompt the generator is served for ``request`` and the texts of N refiners (in refiner order).
+
+    ``refinements=None``: an unrefined sample (joint RL's skip samples), the request verbatim. With
+    ``concerns`` (refiner i writes concern ``concerns[i]``), the texts compose into the caption template
+    (``compose_concerns``); without, the non-empty texts join with ``", "`` (one refiner: its text). Then
+    ``served_prompt`` in ``mode``: the composition replaces the request (``rewrite``) or follows it (``append``;
+    without concerns that is ``refiners.compose_prompt(request, refinements)``)."""
+    if refinements is None:
+        return served_prompt(request, None, mode)
+    if concerns is not None:
+        if len(concerns) != len(refinements):
+            raise ValueError(f"serve: {len(refinements)} refinements for {len(concerns)} concerns {list(concerns)}")
+        parts = {concern: "" for concern in CONCERNS}
+        parts.update(zip(concerns, refinements))
+        return served_prompt(request, compose_concerns(**parts), mode)
+    return served_prompt(request, ", ".join(t.strip() for t in refinements if t.strip()), mode)
+
+
+def refinement_tokens(concern: Optional[str] = None) -> int:
+    """A refiner's token budget for its task, in byte tokens: the longest text it is meant to write for any facts
+    of the world (``canonical_caption`` for the full rewrite, ``concern_target`` for a concern) plus its EOS,
+    rounded up to a multiple of 8 (the full rewrite: 56; shape, colours, motion: 16, 24, 8)."""
+    from itertools import product
+
+    from posttrain.modules.world import MOTIONS, PALETTE, SHAPES
+
+    every = [Facts(s, c, b, m) for s, c, b, m in product(SHAPES, PALETTE, PALETTE, MOTIONS) if c != b]
+    write = canonical_caption if concern is None else (lambda f: concern_target(f, concern))
+    longest = max(len(write(f).encode()) for f in every) + 1
+    return -(-longest // 8) * 8
+
+
 def facts_from_batch(batch: dict) -> list[Facts]:
     """The ``Facts`` of a collated batch of ``datamodules.requests.Requests`` (one list of strings per fact,
     ``""`` where the request leaves the fact out)."""

@@ -49,11 +49,14 @@ class Rollout:
     @torch.no_grad()
     def sample(cls, stage: GeneratorStage, sampler: FlowMatchSampler, cond: Conditioning,
                uncond: Optional[Conditioning], shape: tuple[int, ...], rng: torch.Generator, sde: bool = True,
-               name: Optional[str] = None) -> "Rollout":
+               name: Optional[str] = None, noise: Optional[torch.Tensor] = None) -> "Rollout":
         """Sample B = ``cond.batch_size`` latents of ``shape`` (C, F', h, w) from fresh noise drawn from ``rng``
-        with component ``name`` (default: the stage's transformer), capturing every x and (with ``sde``) every
-        step's log p. One batched forward per step for the whole batch (a K-sample group is K rows of it)."""
-        noise = torch.randn((cond.batch_size, *shape), generator=rng).to(next(iter(cond.values())).device)
+        (or from the given ``noise`` (B, C, F', h, w), e.g. one draw shared by a group's K rows) with component
+        ``name`` (default: the stage's transformer), capturing every x and (with ``sde``) every step's log p. One
+        batched forward per step for the whole batch (a K-sample group is K rows of it)."""
+        if noise is None:
+            noise = torch.randn((cond.batch_size, *shape), generator=rng)
+        noise = noise.to(next(iter(cond.values())).device)
         traj = stage.sample(sampler, noise, cond, uncond, name=name, sde=sde, capture=True, rng=rng)
         return cls(stage, sampler, traj, cond, uncond)
 

@@ -21,12 +21,14 @@ from posttrain.lit.base import RunArgs
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.refiners import target_probability
+from posttrain.datamodules.requests import Requests
+from posttrain.modules.intent import IntentReward
 from posttrain.modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
 from posttrain.modules.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "xqz#"
-SMALL = dict(run=RunArgs(frames=5, height=16, width=16), max_new_tokens=8)
+SMALL = dict(run=RunArgs(frames=5, height=16, width=16), max_new_tokens=8, mode="append")  # random LMs: keywords appended
 
 
 def joint_card(n: int, joint: bool = True, lm_lr: float = 2e-2, generator_lr: float = 1e-3) -> ModelCard:
@@ -253,10 +255,126 @@ def test_bad_input_is_rejected_with_clear_messages():
         method(1, credit="shared").training_step({"prompt": [], "index": [], "group": []}, 0)
 
 
-@pytest.mark.parametrize("name,n", [("joint_rl", 3), ("unified_rl", 1)])
-def test_configs_parse(name, n):
+@pytest.mark.parametrize("name,n,credit", [("joint_rl", 3, "per_expert"), ("unified_rl", 1, "shared"),
+                                           ("prompt_rl", 1, "shared"), ("generator_rl", 1, "shared"),
+                                           ("unified_rl_requests", 1, "shared"), ("joint_rl_requests", 3, "per_expert")])
+def test_configs_parse(name, n, credit):
     cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", f"{name}.yaml")], run=False)
     assert isinstance(cli.model, JointRL)
     assert cli.model.card.refiners == [f"refiner_{i}" for i in range(n)]
-    assert cli.model.credit == ("per_expert" if n == 3 else "shared")
+    assert cli.model.credit == credit
     assert cli.trainer.checkpoint_callback.dirpath.endswith(os.path.join("runs", name, "checkpoints"))
+
+
+# ------------------------------------------------------------------------------------------------ requests world
+class FactsSeen(IntentReward):
+    """IntentReward that keeps the context of every call (what the method handed the reward)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.contexts: list[dict] = []
+
+    def __call__(self, media, prompts, context=None):
+        self.contexts.append(dict(context or {}))
+        return super().__call__(media, prompts, context)
+
+
+class Tables:
+    """``wandb.Table`` as joint_rl builds it for the real offline W&B run, its columns and rows kept."""
+
+    def __init__(self, monkeypatch):
+        import wandb
+
+        self.logged: list[tuple[list[str], list[list]]] = []
+        real, logged = wandb.Table, self.logged
+
+        class Table(real):  # a real wandb.Table (the run logs it), its columns and rows kept
+            def __init__(self, columns=None, data=None, **kwargs):
+                logged.append((list(columns), [list(row) for row in data]))
+                super().__init__(columns=columns, data=data, **kwargs)
+
+        monkeypatch.setattr(wandb, "Table", Table)
+
+
+CONCERN_SPLIT = ["shape", "colours", "motion"]
+
+
+@pytest.mark.parametrize("mode,concerns", [("rewrite", None), ("append", None), ("rewrite", CONCERN_SPLIT)],
+                         ids=["rewrite", "append", "rewrite_n3_concerns"])
+def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concerns, tmp_path, monkeypatch):
+    """The W&B table of every iteration (a real offline run) holds per sample the request, each refinement and the
+    served prompt; the served prompts are the very strings the generator's conditioning was made from, in sample
+    order, and that conditioning equals the text encoder's states of the logged strings computed afresh (no
+    cache). Skip samples are served the request verbatim; rewrite serves the refinement, append the request and
+    the refinement, three concerns their composition in the caption template; the reward read the batch's facts."""
+    from posttrain.lit.tools.tracking import WandbLogger
+    from posttrain.modules.generators.wan import umt5_embeds
+    from posttrain.modules.requests import compose_concerns, facts_from_batch
+
+    n = 3 if concerns else 1
+    reward = FactsSeen(concerns=dict(zip([f"refiner_{i}" for i in range(n)], concerns)) if concerns else None)
+    m = method(n, credit="per_expert" if concerns else "shared", reward=reward, mode=mode, concerns=concerns,
+               max_new_tokens=6, table_every_n_iterations=1)
+    seen: list[tuple[list[str], torch.Tensor]] = []
+    conditioning = m.stage.conditioning
+
+    def watched(prompts, *args, **kwargs):
+        cond, uncond = conditioning(prompts, *args, **kwargs)
+        if m.trainer.training:
+            seen.append((list(prompts), cond["encoder_hidden_states"].clone()))
+        return cond, uncond
+
+    monkeypatch.setattr(m.stage, "conditioning", watched)
+    tables = Tables(monkeypatch)
+    batches = []
+
+    class Batches(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append(batch)
+
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True)
+    try:
+        quick_trainer(3, logger=logger, callbacks=[Batches()]).fit(m, Requests(num_requests=8, batch_size=2))
+    finally:
+        logger.experiment.finish()  # one offline run per test
+    assert len(tables.logged) == len(seen) == 3
+    for (columns, rows), (prompts, states), batch, context in zip(tables.logged, seen, batches, reward.contexts[-3:]):
+        assert columns == ["request", "refined", *m.card.refiners, "served", "reward"]
+        served = [row[columns.index("served")] for row in rows]
+        assert served == prompts
+        with torch.no_grad():
+            assert torch.equal(states, umt5_embeds(m.card, "text_encoder", served))
+        assert [row[0] for row in rows] == [p for p in batch["prompt"] for _ in range(4)]
+        assert context["facts"] == [f for f in facts_from_batch(batch) for _ in range(4)]
+        for row in rows:
+            request, refined, texts = row[0], row[1], row[2:2 + n]
+            if not refined:  # the skip sample (the last of each group)
+                assert row[columns.index("served")] == request and texts == [""] * n
+            elif concerns:
+                assert row[columns.index("served")] == compose_concerns(*texts)
+            elif mode == "rewrite":
+                assert row[columns.index("served")] == texts[0].strip()
+            else:
+                assert row[columns.index("served")] == ", ".join([request] + [texts[0].strip()] * bool(texts[0].strip()))
+        assert sum(not row[1] for row in rows) == 2  # one skip sample per request
+
+
+@pytest.mark.parametrize("mode", ["rewrite", "append"])
+def test_rewrite_and_append_modes_both_train(mode):
+    """In either mode the refiner learns its keyword (first-token probability ~1/96 -> > 0.3 in 40 iterations)
+    while the generator, served the rewrites or the request with them appended, takes its PPO steps (ratio 1)."""
+    m = method(1, credit="shared", reward=keyword_reward(1), mode=mode)
+    m.configure_model()
+    p0 = first_token_probability(m, PROMPTS)["refiner_0"]
+    generator0 = {k: v.clone() for k, v in m.card["transformer"].state_dict().items()}
+    trainer, record = fit(m, 40)
+    p1 = first_token_probability(m, PROMPTS)["refiner_0"]
+    assert p0 < 0.02 and p1 > 0.3, (mode, p0, p1)
+    assert any(not torch.equal(v, m.card["transformer"].state_dict()[k]) for k, v in generator0.items())
+    assert m.card.versions["transformer"] > 0
+    ratios = [row["train/ppo_ratio_mean/transformer"] for row in record.rows if "train/ppo_ratio_mean/transformer" in row]
+    assert ratios and max(abs(r - 1.0) for r in ratios) < 1e-4
+    _, served = m.refine(PROMPTS[:2], seed=0)
+    refinements, _ = m.refine(PROMPTS[:2], seed=0)
+    for prompt, text, got in zip(PROMPTS, refinements["refiner_0"], served):
+        assert got == (text.strip() if mode == "rewrite" else ", ".join([prompt] + [text.strip()] * bool(text.strip())))
