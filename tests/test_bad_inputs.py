@@ -75,6 +75,7 @@ def fingerprint(folder: str) -> dict[str, str]:
 
 F, G = "finetune.yaml", "flow_grpo.yaml"
 M = "--model.init_args."
+NO_FILTER = "--data.init_args.exclude=[]"  # flow_grpo.yaml trains on seen concepts: its filter is of synthetic captions
 # (id, command, config or None, extra arguments, fragments the message must hold: the option/file, the fix)
 CASES = [
     ("max_steps 0", "fit", F, ["--trainer.max_steps=0"], ["trainer.max_steps=0", "set trainer.max_steps"]),
@@ -119,14 +120,14 @@ CASES = [
      ["still.png: cannot read this media file", "empty: 0 bytes", "readable PNG or JPEG", "or remove it"]),
     ("metadata line not JSON", "fit", "finetune_folder.yaml", ["--data.init_args.root={files}/bad_metadata"],
      ["metadata.jsonl:2: not valid JSON", 'one JSON object', '{"file": "clips/a.mp4", "caption": "']),
-    ("prompts line not JSON", "fit", G, ["--data.init_args.path={files}/bad.jsonl"],
+    ("prompts line not JSON", "fit", G, ["--data.init_args.path={files}/bad.jsonl", NO_FILTER],
      ["bad.jsonl:2: not valid JSON", "one JSON object", '{"prompt": "', "one prompt per line"]),
-    ("predict with no inline prompts", "predict", G, ["--data.init_args.prompts=[]"],
+    ("predict with no inline prompts", "predict", G, ["--data.init_args.prompts=[]", NO_FILTER],
      ["inline `prompts` list is empty", "--data.init_args.prompts='[", "path: prompts.txt", "synthetic captions"]),
     ("data size beside the run's", "fit", F, ["--data.init_args.frames=9"],
      ["data.init_args.frames=9 but model.init_args.run.frames=5", "set once", "drop data.init_args.frames"]),
-    ("empty prompts file", "fit", G, ["--data.init_args.path={files}/empty.txt"], ["empty.txt", "holds no prompts", "one prompt per line"]),
-    ("missing prompts file", "fit", G, ["--data.init_args.path={files}/none.txt"], ["none.txt", "does not exist", "leave it null"]),
+    ("empty prompts file", "fit", G, ["--data.init_args.path={files}/empty.txt", NO_FILTER], ["empty.txt", "holds no prompts", "one prompt per line"]),
+    ("missing prompts file", "fit", G, ["--data.init_args.path={files}/none.txt", NO_FILTER], ["none.txt", "does not exist", "leave it null"]),
     ("sampler without steps", "fit", F, [M + "sampler.init_args.num_steps=0"], ["num_steps=0", "must be >= 1", "e.g. 20"]),
     ("negative SDE noise", "fit", G, [M + "sampler.init_args.noise_level=-1"], ["noise_level=-1", "must be >= 0"]),
     ("non-positive shift", "fit", F, [M + "sampler.init_args.scheduler.init_args.shift=-3"], ["shift=-3", "> 0"]),
