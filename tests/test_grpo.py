@@ -92,8 +92,9 @@ def flow_grpo():
 
 def joint_rl():
     card = wan_card(num_refiners=1, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-3)))
+    # append: the request stays in the served prompt, so RedOnly's split into a signal group and an A = 0 group holds
     return JointRL(card, FlowMatchSampler(num_steps=2), reward=RedOnly(), grpo=GRPO, num_skip_refinement=0,
-                   max_new_tokens=2, run=SMALL), 4
+                   max_new_tokens=2, mode="append", run=SMALL), 4
 
 
 def workflow_rl():
