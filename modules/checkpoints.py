@@ -113,8 +113,8 @@ def restricted_unpickling(where: str = "", deepspeed: bool = True) -> Iterator[N
 
 
 def _refused_object(err: pickle.UnpicklingError) -> str:
-    """What torch's weights-only unpickler refused, from its long generic text (which suggests loading with
-    ``weights_only=False``: never here)."""
+    """What torch's weights-only unpickler refused, from its long generic text (which suggests turning
+    weights-only loading off: never here)."""
     found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err)) \
         or re.search(r"Unsupported operand (\S+)", str(err))
     return f"`{found.group(1)}`" if found else "an object torch's weights-only unpickler does not build"
