@@ -303,6 +303,18 @@ def report(out: str, png: str) -> str:
 
 
 def claims(runs) -> list[str]:
+    se = math.sqrt(0.3 * 0.7 / EVAL_PROMPTS)
+
+    def verdict_of(holds: bool, gap: float, seeds: int) -> str:
+        """A claim is evidence only when what decides it exceeds one evaluation's sampling error, on ≥ 3 seeds."""
+        if not holds:
+            return "does not reproduce"
+        if gap <= se:
+            return f"is not established (decided by {gap:.3f}, within ±{se:.3f})"
+        if seeds < 3:
+            return "is not established (fewer than 3 seeds a side)"
+        return "reproduces"
+
     def reach(fast: str, slow: str, key: str, factor: float) -> str:
         a, b = runs.get((fast, False)), runs.get((slow, False))
         if not a or not b:
@@ -311,12 +323,12 @@ def claims(runs) -> list[str]:
         budget = b[0]["videos"]
         got = videos_to_reach(a, key, target)
         ratio = budget / got if got else math.inf
-        verdict = "reproduces" if got is not None and ratio >= factor else "does not reproduce"
+        gain = target - sum(r["rows"][0][key] for r in b) / len(b)  # what the slow method's final score is worth
+        verdict = verdict_of(got is not None and ratio >= factor, gain, min(len(a), len(b)))
         where = f"{got:.0f} videos ({ratio:.1f}× fewer)" if got is not None else "never within its budget"
         return (f"- {fast} reaches {slow}'s final {key} ({target:.3f}, at {budget} videos) at {where}: the ≥ "
                 f"{factor:g}× claim {verdict} ({len(a)} vs {len(b)} seeds)")
 
-    se = math.sqrt(0.3 * 0.7 / EVAL_PROMPTS)
     lines = [f"- (one evaluation's sampling error at a score of 0.3: ±{se:.3f}, {EVAL_PROMPTS} requests; a claim "
              f"decided by less than that, or on one seed, is not evidence)",
              reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
@@ -329,7 +341,8 @@ def claims(runs) -> list[str]:
             gain = lambda rs, k: [r["rows"][-1][k] - r["rows"][0][k] for r in rs]  # noqa: E731
             g_base, g_joint = gain(base, "paraphrase/all"), gain(joint, "paraphrase/all")
             seen_base = gain(base, "seen/all")
-            verdict = "reproduces" if sum(g_base) / len(g_base) < sum(g_joint) / len(g_joint) else "does not reproduce"
+            gap = sum(g_joint) / len(g_joint) - sum(g_base) / len(g_base)
+            verdict = verdict_of(gap > 0, gap, min(len(joint), len(base)))
             lines.append(f"- on held-out paraphrases {baseline} gains {interval(g_base)} (seen wording "
                          f"{interval(seen_base)}), joint RL (N = 1) {interval(g_joint)}: the claim {verdict} "
                          f"({len(joint)} vs {len(base)} seeds)")
@@ -364,8 +377,9 @@ def plot(runs, png: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy")
     axes[2].legend(fontsize=7, loc="best")
-    fig.suptitle("posttrain RL on the synthetic world: mean over seeds, band = min–max, dotted = learning rate 0",
-                 fontsize=10)
+    controls = any(control for _, control in runs)
+    fig.suptitle("posttrain RL on the synthetic world: mean over seeds, band = min–max"
+                 + (", dotted = learning rate 0" if controls else " (no learning-rate-0 control run)"), fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png), exist_ok=True)
     fig.savefig(png, dpi=110)
