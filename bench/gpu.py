@@ -73,6 +73,12 @@ def sizes(tiny: bool) -> dict[str, Any]:
                 rl_height=240, rl_width=416, rl_steps=10, iterations=4, causal_chunk=3)
 
 
+def vae_dtype(tiny: bool) -> str:
+    """bf16 VAE weights on the GPU; float32 at --tiny (the CPU's bf16 3-D convolutions are far slower than its
+    float32 ones: they took the flow_grpo part from seconds to minutes)."""
+    return "float32" if tiny else "bfloat16"
+
+
 def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
     """Wan VAE latents: 16 channels, 4x temporal ((F-1)/4+1), 8x spatial."""
     return 16, (frames - 1) // 4 + 1, height // 8, width // 8
@@ -298,7 +304,7 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
     card = ModelCard(experts={
         "text_encoder": Expert(arch="umt5", preset=text),
-        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype="bfloat16"),
+        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=vae_dtype(tiny)),
         "transformer": Expert(arch="wan_t2v", preset=dict(s["config"]), trainable=True, grad_clip=1.0,
                               optimizer=functools.partial(torch.optim.AdamW, lr=1e-5, weight_decay=0.0),
                               gradient_checkpointing=checkpointing),
@@ -364,10 +370,9 @@ def causal_generation(s: dict, device: Device) -> dict:
     device.reset_peak()
     tiny = s["config"] is TINY
     text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
-    dtype = "float32" if tiny else "bfloat16"
+    dtype = vae_dtype(tiny)
     card = ModelCard(experts={
         "text_encoder": Expert(arch="umt5", preset=text),
-        # bf16 weights on the GPU; float32 at --tiny (the CPU's bf16 convolutions are slower than its float32)
         "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
         "transformer": Expert(arch="wan_t2v_causal", preset=dict(s["config"]), dtype=dtype),
     }, text_max_length=s["text_len"])
