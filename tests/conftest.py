@@ -7,9 +7,16 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` (the README's command): two workers share the 2 cores, one intra-op thread each — here and in
+    # the `posttrain` processes a test starts (they inherit it). Tiny tensors gain nothing from a second thread.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from posttrain.modules.cards import Expert, ModelCard
 
