@@ -251,6 +251,11 @@ def test_distill_bench_runs():
     assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
 
 
+def test_optimizer_bench_runs():
+    out = run_bench("bench/optimizer.py", "--tiny", "--blocks", "1", "--per-block", "1")
+    assert "fused/default" in out and "largest difference" in out
+
+
 def test_reward_server_bench_runs():
     out = run_bench("bench/reward_server.py", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
                     "--per-block", "1", "--iterations", "1")

@@ -31,6 +31,7 @@ def test_recipe_runs_two_iterations_at_tiny_size(path, tmp_path):
     text = open(path).read()
     assert "accelerator: auto" in text and "bf16" in text and "Memory per GPU" in text and "Time per iteration" in text
     assert "gradient_checkpointing: true" in text and "/models/" in text  # real sizes, local folders
+    assert text.count("AdamW") == text.count("fused: true") > 0  # bench/optimizer.py: the fused step is faster
     method = config["model"]["class_path"]
     if config["data"]["class_path"] == "Prompts":
         data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
