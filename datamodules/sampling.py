@@ -128,6 +128,9 @@ class ResumableDataModule(LightningDataModule):
         if len(sampler) < self.batch_size:
             raise ValueError(f"{type(self).__name__}: {len(dataset)} samples give this process {len(sampler)}, "
                              f"fewer than batch_size={self.batch_size}; add data or lower the batch size")
+        # batches in page-locked memory when the run trains on a GPU: Lightning then copies them non-blocking, so
+        # the next batch's copy overlaps the step (with workers, a pinning thread prepares them ahead)
+        pin = strategy is not None and strategy.root_device.type == "cuda"
         return ResumableLoader(dataset, batch_size=self.batch_size, sampler=sampler, seed=self.seed,
                                num_workers=self.num_workers, collate_fn=self.collate,
-                               persistent_workers=self.num_workers > 0)
+                               persistent_workers=self.num_workers > 0, pin_memory=pin)

@@ -35,6 +35,17 @@ def test_every_loader_fills_the_schema(name):
     assert batch_schema.seed(batch, default=-1) == int(batch["index"][0])
 
 
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
+def test_training_batches_are_pinned_when_the_run_trains_on_a_gpu(device, pinned):
+    """Page-locked batches on a GPU run (Lightning's copy to the device is then non-blocking); none on a CPU run,
+    where pinning has nothing to overlap with."""
+    videos = SyntheticVideos(num_samples=4, val_samples=2, frames=1, height=8, width=8, batch_size=2)
+    strategy = SimpleNamespace(root_device=torch.device(device), distributed_sampler_kwargs=None)
+    videos.trainer = SimpleNamespace(strategy=strategy)
+    videos.setup("fit")
+    assert videos.train_dataloader().pin_memory is pinned
+
+
 def test_readers_name_the_method_and_fall_back():
     with pytest.raises(ValueError, match="flow_grpo: the batch holds no prompts"):
         batch_schema.prompts({"prompt": []}, "flow_grpo")
