@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextlib
 import functools
 import gc
 import json
@@ -36,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -322,10 +324,13 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     cond = stage.condition(["a red circle moving left on a blue background"] * K, torch.device(device.name))
     parts: dict[str, list[float]] = {"rollout": [], "decode": [], "update": []}
 
+    syncs: list[int] = []
+
     def iteration():
         start = time.perf_counter()
-        with autocast(device):
+        with autocast(device), host_syncs(device) as caught:
             rollout = Rollout.sample(stage, sampler, cond, None, shape, g)
+        syncs.append(len(caught))
         device.sync()
         parts["rollout"].append(time.perf_counter() - start)
         start = time.perf_counter()
@@ -355,8 +360,25 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     median = {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
     result = dict(K=K, sde_steps=s["rl_steps"], trained_steps=math.ceil(0.5 * s["rl_steps"]),
                   video=f"{s['rl_frames']}x{s['rl_height']}x{s['rl_width']}", seconds=median,
-                  seconds_per_iteration=sum(median.values()), peak_bytes=peak, peak_kind=how)
+                  seconds_per_iteration=sum(median.values()), peak_bytes=peak, peak_kind=how,
+                  rollout_host_syncs=syncs[-1] if device.cuda else None)
     return result
+
+
+@contextlib.contextmanager
+def host_syncs(device: Device):
+    """The host synchronisations CUDA reports inside the block (``torch.cuda.set_sync_debug_mode("warn")``: one
+    warning per ``.item()``, ``.cpu()``, ``nonzero``… on a device tensor); none are looked for on a CPU."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            if device.cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    caught[:] = [w for w in caught if "synchroniz" in str(w.message)]
 
 
 # ---------------------------------------------------------------------- 3. the causal student's generation rate
@@ -491,7 +513,8 @@ def report(out: dict) -> str:
             peak = size(r["peak_bytes"])
             lines.append(f"  flow_grpo step, K={r['K']}, {r['video']}, {r['sde_steps']} SDE steps, {r['trained_steps']} "
                          f"trained: rollout {sec['rollout']:.3f} s + decode {sec['decode']:.3f} s + update "
-                         f"{sec['update']:.3f} s = {r['seconds_per_iteration']:.3f} s; peak {peak}")
+                         f"{sec['update']:.3f} s = {r['seconds_per_iteration']:.3f} s; peak {peak}; host syncs "
+                         f"in the rollout: {'n/a on a CPU' if r['rollout_host_syncs'] is None else r['rollout_host_syncs']}")
     r = out.get("causal")
     if r is not None:
         if "error" in r:
