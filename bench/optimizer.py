@@ -6,7 +6,7 @@ gradients, ``--blocks`` candidate blocks of ``--per-block`` steps between baseli
 baseline is what ``torch.optim.AdamW`` picks with neither ``foreach`` nor ``fused`` set — the per-tensor loop on a
 CPU, ``foreach`` on a GPU. The two give equal updates up to float rounding (checked here on the first step).
 
-    python bench/optimizer.py                         # 2 blocks of Wan2.1-1.3B's width (93M parameters), CPU
+    python bench/optimizer.py                         # 2 blocks of Wan2.1-1.3B's width (119M parameters), CPU
     python bench/optimizer.py --layers 30 --device cuda   # the whole 1.3B transformer on a GPU
     python bench/optimizer.py --tiny                  # the tiny shape, seconds (tested)
 """
