@@ -282,10 +282,15 @@ def one_process():
     from posttrain.lit.engine.strategy import ShardedExpertsStrategy
 
     yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    import deepspeed.comm.comm
+    import deepspeed.comm
 
+    if torch.distributed.is_initialized():
+        # through DeepSpeed, which then drops the groups it cached (its clone of the world): the next module's
+        # one-process strategy in this pytest process (an xdist worker runs the modules interleaved) builds fresh ones
+        if deepspeed.comm.comm.cdb is not None:
+            deepspeed.comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
     deepspeed.comm.comm.cdb = None
 
 
