@@ -22,7 +22,8 @@ data-parallel × sequence-parallel (``sequence_mesh``): processes ``d·k … d·
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,9 @@ def enable_sequence_parallel(model: nn.Module, mesh, heads: Optional[int] = None
     if heads is not None and heads % degree:
         raise ValueError(f"sequence_parallel={degree} must divide the model's {heads} attention heads (Ulysses gives "
                          f"each process whole heads)")
+    # the plan's "" entry splits Wan 2.2's per-token timesteps (rows x tokens); this package's Wan adapters give one
+    # timestep per row, which diffusers would leave whole after a warning: leave it out
+    plan = {module: inputs for module, inputs in plan.items() if module != ""}
     cp = ContextParallelConfig(ulysses_degree=degree, mesh=mesh["ring", "ulysses"])
     config = ParallelConfig(context_parallel_config=cp)
     config.setup(dist.get_rank(), dist.get_world_size(), next(model.parameters()).device, mesh=cp.mesh)
@@ -74,3 +78,33 @@ def reduce_sequence_gradients(model: nn.Module, mesh) -> None:
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, group=group)
+
+
+@contextlib.contextmanager
+def traced_mesh(degree: int) -> Iterator:
+    """``sequence_mesh(degree)`` of ``degree`` processes on torch's fake process group, this process being rank 0 and
+    every collective a no-op: what one process of a sequence group saves for backward can then be traced under
+    ``FakeTensorMode`` in a single process (``posttrain estimate``; torchtitan's memory estimator does the same)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("estimating sequence parallelism traces on a fake process group of its own: run "
+                           "`posttrain estimate` outside a distributed run")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    try:
+        yield sequence_mesh(degree)
+    finally:
+        dist.destroy_process_group()
+
+
+def all_to_all_bytes(rows: int, tokens: int, inner_dim: int, degree: int, element_size: int) -> int:
+    """Transient bytes of the Ulysses all-to-all around one self-attention (diffusers' ``TemplatedUlyssesAttention``):
+    the send copies and the receive buffers of query, key and value of this process's ``tokens / degree`` tokens are
+    alive together (the gradients' all-to-all in backward is the same size); one layer at a time. Nothing when
+    ``degree`` is 1."""
+    if degree == 1:
+        return 0
+    if tokens % degree:
+        raise ValueError(f"sequence_parallel={degree} must divide the {tokens} tokens of a sample (frames x height x "
+                         f"width after the patches); change the video size or the degree")
+    return 2 * 3 * rows * (tokens // degree) * inner_dim * element_size
