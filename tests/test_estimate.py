@@ -147,6 +147,13 @@ def test_sequence_parallel_divides_the_activations_per_process(tmp_path):
     assert "sequence parallel" not in one.table()
     with pytest.raises(ValueError, match=r"sequence_parallel=2 must divide the 3 processes"):
         estimate(path, devices=3, activations=False)
+    # a KV-cached block-causal student cannot be split: refused, naming the expert and the option (as `fit` does)
+    causal = write_config(tmp_path, {"arch": "wan_t2v_causal"}, devices=2, sharded=True,
+                          strategy_args={"sequence_parallel": 2})
+    with pytest.raises(ValueError, match=r"sequence_parallel=2 cannot split the KV-cached block-causal generator "
+                                         r"'transformer' \(arch wan_t2v_causal\): set `trainer.strategy.init_args."
+                                         r"sequence_parallel: 1`"):
+        estimate(causal, activations=False)
 
 
 def test_activation_rows_follow_the_rl_batching():
