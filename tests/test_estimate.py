@@ -156,6 +156,21 @@ def test_sequence_parallel_divides_the_activations_per_process(tmp_path):
         estimate(causal, activations=False)
 
 
+def test_sequence_parallel_estimate_splits_flux_image_and_text_tokens(tmp_path):
+    """FLUX under ``sequence_parallel: 2``: its image and text tokens are split alike (joint attention), so its
+    activations per process are about half too, with the all-to-all of the joint sequence added."""
+    with open(os.path.join(ROOT, "configs", "finetune_flux.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["trainer"].update(devices=2, strategy={"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy",
+                                               "init_args": {"sequence_parallel": 2}})
+    path = os.path.join(tmp_path, "flux.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    shared, whole = (estimate(path, sequence_parallel=k)["transformer"] for k in (2, 1))
+    assert any("all-to-all buffers" in note for note in shared.notes), shared.notes
+    assert 0.45 * whole.activation_bytes < shared.activation_bytes < 0.6 * whole.activation_bytes
+
+
 def test_activation_rows_follow_the_rl_batching():
     """One training forward's rows: the data batch (finetune); prompts × K over minibatches (RL), × 2 with CFG;
     at most ``micro_batch_size``."""

@@ -503,11 +503,15 @@ def _trace_dtype(spec: Expert, cast: Optional[torch.dtype], autocast: Optional[t
 
 def _all_to_all_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int, degree: int,
                       cast: Optional[torch.dtype], autocast: Optional[torch.dtype]) -> int:
-    """``all_to_all_bytes`` of ``spec``'s transformer at the method's video size."""
+    """``all_to_all_bytes`` of ``spec``'s transformer at the method's video size: the tokens its self-attention sees
+    (Wan: the patches of the latent video; FLUX: the packed image tokens and the text, attended jointly)."""
     shapes = input_shapes(spec.arch, config, card, method, rows)
-    patch = config["patch_size"]
-    _, _, f, h, w = shapes["hidden_states"]
-    tokens = (f // patch[0]) * (h // patch[1]) * (w // patch[2])
+    if len(shapes["hidden_states"]) == 5:
+        patch = config["patch_size"]
+        _, _, f, h, w = shapes["hidden_states"]
+        tokens = (f // patch[0]) * (h // patch[1]) * (w // patch[2])
+    else:
+        tokens = shapes["hidden_states"][1] + shapes["encoder_hidden_states"][1]
     dtype, autocast = _trace_dtype(spec, cast, autocast)
     size = torch.empty(0, dtype=autocast or dtype).element_size()
     return all_to_all_bytes(rows, tokens, config["num_attention_heads"] * config["attention_head_dim"], degree, size)
