@@ -32,9 +32,10 @@ MEMORY_PRESET = {"num_attention_heads": 8, "attention_head_dim": 64, "ffn_dim": 
 
 
 def write_config(tmp_path, generator: dict | None, devices=1, sharded=False, batch_size=1, drop=(),
-                 experts: dict | None = None) -> str:
+                 experts: dict | None = None, strategy_args: dict | None = None, run: dict | None = None) -> str:
     """A finetune config: tiny text encoder and VAE, a trainable Wan transformer with ``generator``'s
-    settings (None: leave it to ``experts``), ``experts`` written over the card as given."""
+    settings (None: leave it to ``experts``), ``experts`` written over the card as given; ``strategy_args``: the
+    ``ShardedExpertsStrategy``'s (with ``sharded``), ``run``: the method's video size."""
     card = {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}}
     if generator is not None:
         card["transformer"] = {"arch": "wan_t2v", "trainable": True, "optimizer": ADAMW, **generator}
@@ -43,8 +44,10 @@ def write_config(tmp_path, generator: dict | None, devices=1, sharded=False, bat
         card.pop(name)
     cfg = {
         "trainer": {"accelerator": "cpu", "devices": devices, "logger": False,
-                    **({"strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy"}} if sharded else {})},
-        "model": {"class_path": "posttrain.lit.finetune.Finetune", "init_args": {"card": {"experts": card}}},
+                    **({"strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy",
+                                     **({"init_args": strategy_args} if strategy_args else {})}} if sharded else {})},
+        "model": {"class_path": "posttrain.lit.finetune.Finetune",
+                  "init_args": {"card": {"experts": card}, **({"run": run} if run else {})}},
         "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",
                  "init_args": {"batch_size": batch_size}},
     }
@@ -124,6 +127,48 @@ def test_flux_activation_estimate_matches_a_real_forward(tmp_path):
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     assert_matches_a_real_forward(path, "flux", preset, estimate(path)["transformer"].activation_bytes)
+
+
+def test_sequence_parallel_divides_the_activations_per_process(tmp_path):
+    """``sequence_parallel: 2`` of the strategy, read from the config: each process traces half of every sample's
+    tokens (half of the heads inside attention), so the generator's activations lose about half (less: the text and
+    the time embedding stay whole on every process, and one layer's all-to-all buffers are added); the model states
+    and everything else are unchanged. A degree that does not divide the processes is refused."""
+    preset = {"num_layers": 3, "num_attention_heads": 4, "attention_head_dim": 32, "ffn_dim": 256}
+    path = write_config(tmp_path, {"preset": preset}, devices=2, sharded=True,
+                        strategy_args={"sequence_parallel": 2}, run={"frames": 17, "height": 128, "width": 128})
+    two, one = estimate(path), estimate(path, sequence_parallel=1)
+    shared, whole = two["transformer"], one["transformer"]
+    assert shared.model_state_bytes == whole.model_state_bytes
+    assert one.device_bytes - two.device_bytes == whole.activation_bytes - shared.activation_bytes
+    saved = whole.activation_bytes - shared.activation_bytes
+    assert 0.4 * whole.activation_bytes < saved < 0.5 * whole.activation_bytes, (saved, whole.activation_bytes)
+    assert "sequence parallel 2" in two.table() and "all-to-all buffers" in two.table()
+    assert "sequence parallel" not in one.table()
+    with pytest.raises(ValueError, match=r"sequence_parallel=2 must divide the 3 processes"):
+        estimate(path, devices=3, activations=False)
+    # a KV-cached block-causal student cannot be split: refused, naming the expert and the option (as `fit` does)
+    causal = write_config(tmp_path, {"arch": "wan_t2v_causal"}, devices=2, sharded=True,
+                          strategy_args={"sequence_parallel": 2})
+    with pytest.raises(ValueError, match=r"sequence_parallel=2 cannot split the KV-cached block-causal generator "
+                                         r"'transformer' \(arch wan_t2v_causal\): set `trainer.strategy.init_args."
+                                         r"sequence_parallel: 1`"):
+        estimate(causal, activations=False)
+
+
+def test_sequence_parallel_estimate_splits_flux_image_and_text_tokens(tmp_path):
+    """FLUX under ``sequence_parallel: 2``: its image and text tokens are split alike (joint attention), so its
+    activations per process are about half too, with the all-to-all of the joint sequence added."""
+    with open(os.path.join(ROOT, "configs", "finetune_flux.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["trainer"].update(devices=2, strategy={"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy",
+                                               "init_args": {"sequence_parallel": 2}})
+    path = os.path.join(tmp_path, "flux.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    shared, whole = (estimate(path, sequence_parallel=k)["transformer"] for k in (2, 1))
+    assert any("all-to-all buffers" in note for note in shared.notes), shared.notes
+    assert 0.45 * whole.activation_bytes < shared.activation_bytes < 0.6 * whole.activation_bytes
 
 
 def test_activation_rows_follow_the_rl_batching():

@@ -31,6 +31,7 @@ def test_there_are_recipes_for_the_models_users_start_from():
     names = {os.path.basename(p) for p in RECIPES}
     for expected in ("wan2.1_t2v_1.3b_finetune.yaml", "wan2.1_t2v_1.3b_lora.yaml", "wan2.1_t2v_1.3b_flow_grpo.yaml",
                      "wan2.1_t2v_1.3b_joint_rl.yaml", "wan2.1_t2v_14b_finetune_zero3.yaml", "wan2.1_t2v_14b_lora.yaml",
+                     "wan2.1_t2v_14b_finetune_sp8_720p.yaml", "wan2.1_t2v_1.3b_finetune_sp4.yaml",
                      "flux.1_dev_flow_grpo.yaml"):
         assert expected in names
 

@@ -53,7 +53,7 @@ from posttrain.lit.engine.resume import check_signature
 from posttrain.modules import checkpoints as ckpt
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
-from posttrain.modules.sequence_parallel import enable_sequence_parallel, sequence_mesh
+from posttrain.modules.sequence_parallel import enable_sequence_parallel, refuse_kv_cached, sequence_mesh
 
 TAG, META = ckpt.ZERO_TAG, ckpt.SHARDED_META
 UNIVERSAL = f"{TAG}_universal"  # DeepSpeed's universal checkpoint of a shard folder
@@ -64,7 +64,7 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``, ``find_unused_parameters``…);
     the ZeRO settings live on the experts of the card (``Expert.zero``). ``sequence_parallel``: k processes share one
-    sample's tokens in every Wan transformer of the card (``modules/sequence_parallel.py``); data parallelism is then
+    sample's tokens in every transformer of the card diffusers can split (Wan, FLUX) (``modules/sequence_parallel.py``); data parallelism is then
     over the world / k sequence groups (samples, noise streams).
     """
 
@@ -108,6 +108,7 @@ class ShardedExpertsStrategy(DDPStrategy):
                                    dist_init_required=False, verbose=False)
         card = self._card()
         if self.sequence_parallel > 1:
+            refuse_kv_cached({name: spec.arch for name, spec in card.specs.items()}, self.sequence_parallel)
             self.mesh = sequence_mesh(self.sequence_parallel, self.root_device.type)
         elif not any(spec.sharded for spec in card.specs.values()):
             rank_zero_warn("ShardedExpertsStrategy: no expert has `sharded: true`; every expert runs under plain DDP")
@@ -170,7 +171,7 @@ class ShardedExpertsStrategy(DDPStrategy):
 
         module = self.lightning_module
         card = self._card()
-        if self.mesh is not None:  # every transformer diffusers knows how to split (Wan), roles included
+        if self.mesh is not None:  # every transformer diffusers knows how to split (Wan, FLUX), roles included
             for name, model in card.models.items():
                 if getattr(model, "_cp_plan", None) is not None:
                     enable_sequence_parallel(model, self.mesh)

@@ -178,8 +178,11 @@ def apply_tiny_preset(config) -> None:
         data = args(config.data) if config.get("data") is not None else {}
         assign(data, **{k: getattr(args(run), k) for k in VIDEO_SIZE if data.get(k) is not None})  # still one size
     assign(config.trainer, accelerator="cpu", devices=1, num_nodes=1, precision="32-true")
-    if isinstance(config.trainer.get("strategy"), str):
+    strategy = config.trainer.get("strategy")
+    if isinstance(strategy, str):
         config.trainer.strategy = "auto"
+    elif strategy is not None and args(strategy).get("sequence_parallel") is not None:
+        args(strategy).sequence_parallel = 1  # one process shares its tokens with no other
 
 
 # ---------------------------------------------------------------------- one run folder, W&B runs

@@ -17,7 +17,10 @@ per component:
 - **activations** of one training forward (what backward keeps: the bytes of distinct non-parameter
   storages saved for backward, traced under ``FakeTensorMode`` with 1 and 2 layers and extrapolated
   linearly to the model's layer count: nothing is allocated); gradient checkpointing adds one layer's
-  recompute to the saved block inputs.
+  recompute to the saved block inputs. With sequence parallelism (``sequence_parallel: k`` of
+  ``ShardedExpertsStrategy``) the trace is one process of a group of k, on torch's fake process group: the
+  transformer diffusers knows how to split (Wan) holds 1/k of each sample's tokens, and 1/k of the heads inside
+  attention; the all-to-all's send and receive buffers of one layer are added (``all_to_all_bytes``).
 
 For every sharded expert DeepSpeed's own estimator (``estimate_zero2_model_states_mem_needs`` /
 ``estimate_zero3_model_states_mem_needs``, which assume 16-bit weights with fp32 master and Adam) is shown
@@ -45,6 +48,8 @@ from posttrain.lit.tools.config import instantiate_part, parse
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
 from posttrain.modules.generators.base import TrainingForward
+from posttrain.modules.sequence_parallel import all_to_all_bytes, enable_sequence_parallel, refuse_kv_cached, \
+    traced_mesh
 
 GIB = 2**30
 
@@ -85,6 +90,7 @@ class MemoryEstimate:
     num_nodes: int
     components: list[ComponentMemory]
     activation_rows: str
+    sequence_parallel: int  # processes sharing one sample's tokens
 
     @property
     def world_size(self) -> int:
@@ -114,7 +120,9 @@ class MemoryEstimate:
         head = (f"{'component':<24} {'placement':<{width}} {'params':>9} {'weights':>9} {'grads':>9} {'optim':>9} "
                 f"{'activ.':>9} {'device':>9} {'host':>9} {'DeepSpeed':>9}")
         lines = [f"posttrain estimate: {self.config}", f"per process, {self.world_size} process(es) "
-                 f"({self.devices} device(s) x {self.num_nodes} node(s)), {unit}; activations: {self.activation_rows}",
+                 f"({self.devices} device(s) x {self.num_nodes} node(s)"
+                 + (f", sequence parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else "")
+                 + f"), {unit}; activations: {self.activation_rows}",
                  head, "-" * len(head)]
         for c in self.components:
             lines.append(f"{c.name:<24} {c.placement:<{width}} {c.params / 1e6:>8.2f}M {num(c.param_bytes):>9} "
@@ -133,7 +141,8 @@ class MemoryEstimate:
 
 
 def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int] = None,
-             batch_size: Optional[int] = None, activations: bool = True) -> MemoryEstimate:
+             batch_size: Optional[int] = None, activations: bool = True,
+             sequence_parallel: Optional[int] = None) -> MemoryEstimate:
     """Per-process memory of parameters, gradients, optimizer states and activations of every expert of a
     ``posttrain fit`` config, for ``devices`` x ``num_nodes`` processes and each expert's ZeRO stage,
     offload and precision. Nothing is built at full size.
@@ -145,6 +154,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
         batch_size: rows of one training forward of the generator; default the config's data batch size
             (times the group size K, divided by the minibatches, doubled under CFG, for the RL methods).
         activations: trace activations (a few seconds per trainable expert); False leaves them out.
+        sequence_parallel: processes sharing one sample's tokens; default the config's
+            ``trainer.strategy.init_args.sequence_parallel`` (``ShardedExpertsStrategy``), else 1.
 
     Returns:
         a ``MemoryEstimate``; ``print`` it for the table.
@@ -154,8 +165,16 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
     num_nodes = _count("trainer.num_nodes", num_nodes if num_nodes is not None else (cfg.trainer.num_nodes or 1),
                        config)
     world = devices * num_nodes
+    degree = sequence_parallel if sequence_parallel is not None else _strategy_sequence_parallel(cfg)
+    if not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"estimate: sequence_parallel is {degree!r} in {config!r}; give the number of processes "
+                         f"that share one sample's tokens (1: off)")
+    if world % degree:
+        raise ValueError(f"estimate: sequence_parallel={degree} must divide the {world} processes (devices x "
+                         f"num_nodes) of {config!r}; set it to a divisor")
     method = instantiate_part(cfg, "model", config, "estimate")  # its card unbuilt
     card: ModelCard = method.card
+    refuse_kv_cached({name: spec.arch for name, spec in card.specs.items()}, degree)
     data_batch = batch_size or _data_batch_size(cfg)
 
     # 1. every expert on the meta device, then the method's roles (copies of meta modules)
@@ -203,14 +222,14 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
                 continue
             try:
                 c.activation_bytes, note = activation_bytes(spec, card, method, rows if c.name == generator
-                                                            else whole_rows, cast, autocast)
+                                                            else whole_rows, cast, autocast, degree)
             except Exception as err:  # an architecture the trace cannot run: say so, keep the rest
                 c.activation_bytes, note = None, f"activations not estimated ({type(err).__name__}: {err})"
             if note:
                 c.notes.append(note)
     if autocast is not None:
         rows_note += f", {autocast} autocast"
-    return MemoryEstimate(config, devices, num_nodes, components, rows_note)
+    return MemoryEstimate(config, devices, num_nodes, components, rows_note, degree)
 
 
 def reward_memory(reward: Any) -> list[ComponentMemory]:
@@ -248,6 +267,21 @@ def _count(option: str, value: Any, config: str) -> int:
         return int(value)
     raise ValueError(f"estimate: {option} is {value!r} in {config!r}; give the number of processes "
                      f"(e.g. `devices=8`, `posttrain estimate --config {config} --devices 8`)")
+
+
+def _strategy_sequence_parallel(cfg) -> Any:
+    """The config's ``trainer.strategy.init_args.sequence_parallel`` (the strategy's own default when unset; 1 for
+    any other strategy)."""
+    import inspect
+
+    from posttrain.lit.engine.strategy import ShardedExpertsStrategy
+
+    strategy = getattr(cfg.trainer, "strategy", None)
+    if not str(getattr(strategy, "class_path", "")).endswith(ShardedExpertsStrategy.__name__):
+        return 1
+    value = getattr(getattr(strategy, "init_args", None), "sequence_parallel", None)
+    return value if value is not None else \
+        inspect.signature(ShardedExpertsStrategy).parameters["sequence_parallel"].default
 
 
 def _data_batch_size(cfg) -> int:
@@ -418,15 +452,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
-                     autocast: Optional[torch.dtype] = None) -> tuple[Optional[int], str]:
+                     autocast: Optional[torch.dtype] = None, sequence_parallel: int = 1) -> tuple[Optional[int], str]:
     """Bytes saved for backward by one training forward of ``spec``'s model at ``rows`` rows, extrapolated
-    from fake-tensor traces with 1 and 2 layers; ``(None, why)`` where no input recipe exists."""
+    from fake-tensor traces with 1 and 2 layers; ``(None, why)`` where no input recipe exists. With
+    ``sequence_parallel`` k > 1 a model diffusers can split (``_cp_plan``: Wan) is traced as one process of a group
+    of k, plus one layer's all-to-all buffers; any other runs whole on every process, as in the strategy."""
     keys = presets.architecture(spec.arch).layer_keys
     if not keys:
         return None, f"activations not estimated for arch {spec.arch!r}"
     config = meta_model(spec).config
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast)
+    degree = sequence_parallel if getattr(presets.model_class(spec.arch), "_cp_plan", None) is not None else 1
+    trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast,
+                              sequence_parallel=degree)
     one = {key: 1 for key in keys}  # every kind of block once (FLUX has double- and single-stream blocks)
 
     def blocks(checkpointing: Optional[bool] = None) -> tuple[int, dict[str, int]]:
@@ -437,13 +475,46 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Opt
 
     base, per_block = blocks()
     total = base + sum((config[key] - 1) * per_block[key] for key in keys)
-    note = ("traced without the LoRA adapter, every weight trainable: an upper bound (peft cannot move fake "
-            "tensors)") if spec.lora is not None else ""
+    notes = ["traced without the LoRA adapter, every weight trainable: an upper bound (peft cannot move fake "
+             "tensors)"] if spec.lora is not None else []
+    if degree > 1:
+        buffers = _all_to_all_bytes(spec, config, card, method, rows, degree, cast, autocast)
+        total += buffers
+        notes.append(f"sequence parallel {degree}: 1/{degree} of each sample's tokens per process (1/{degree} of the "
+                     f"heads in attention), + {buffers / 2**20:.1f} MiB all-to-all buffers (one layer's q, k, v)")
+    elif sequence_parallel > 1:
+        notes.append(f"sequence parallel {sequence_parallel} does not apply (diffusers has no context-parallel plan "
+                     f"for {type(meta_model(spec)).__name__}): whole samples on every process")
     if spec.gradient_checkpointing:
         # checkpointed blocks keep their inputs; backward recomputes one block's activations at a time
         _, full = blocks(checkpointing=False)
-        return total + max(full.values()), note
-    return total, note
+        total += max(full.values())
+    return total, "; ".join(notes)
+
+
+def _trace_dtype(spec: Expert, cast: Optional[torch.dtype], autocast: Optional[torch.dtype]
+                 ) -> tuple[torch.dtype, Optional[torch.dtype]]:
+    """(weights' dtype, autocast dtype) of ``spec``'s training forward: the engine's precision for a sharded expert
+    (Lightning's does not apply), else Lightning's cast or the expert's dtype."""
+    if spec.sharded:
+        return (torch.bfloat16 if spec.zero.precision == "bf16" else torch.float32), None
+    return (cast if cast is not None else dtype_of(spec.dtype)), autocast
+
+
+def _all_to_all_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int, degree: int,
+                      cast: Optional[torch.dtype], autocast: Optional[torch.dtype]) -> int:
+    """``all_to_all_bytes`` of ``spec``'s transformer at the method's video size: the tokens its self-attention sees
+    (Wan: the patches of the latent video; FLUX: the packed image tokens and the text, attended jointly)."""
+    shapes = input_shapes(spec.arch, config, card, method, rows)
+    if len(shapes["hidden_states"]) == 5:
+        patch = config["patch_size"]
+        _, _, f, h, w = shapes["hidden_states"]
+        tokens = (f // patch[0]) * (h // patch[1]) * (w // patch[2])
+    else:
+        tokens = shapes["hidden_states"][1] + shapes["encoder_hidden_states"][1]
+    dtype, autocast = _trace_dtype(spec, cast, autocast)
+    size = torch.empty(0, dtype=autocast or dtype).element_size()
+    return all_to_all_bytes(rows, tokens, config["num_attention_heads"] * config["attention_head_dim"], degree, size)
 
 
 def _with_layers(config: dict, layers: dict[str, int]) -> dict:
@@ -455,18 +526,17 @@ def _with_layers(config: dict, layers: dict[str, int]) -> dict:
 
 
 def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
-                 autocast: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None) -> int:
-    """Distinct non-parameter storages saved for backward by one forward, traced on fake tensors."""
+                 autocast: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None,
+                 sequence_parallel: int = 1) -> int:
+    """Distinct non-parameter storages saved for backward by one forward, traced on fake tensors (by one process of
+    a sequence group of ``sequence_parallel``, on a fake process group)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     shapes = input_shapes(spec.arch, config, card, method, rows)
-    dtype = dtype_of(spec.dtype)
-    if spec.sharded:  # the engine's precision; Lightning's does not apply
-        dtype, autocast = (torch.bfloat16 if spec.zero.precision == "bf16" else torch.float32), None
-    elif cast is not None:
-        dtype = cast
+    dtype, autocast = _trace_dtype(spec, cast, autocast)
     checkpointing = spec.gradient_checkpointing if checkpointing is None else checkpointing
-    with FakeTensorMode(), _default_dtype(dtype):
+    fake = FakeTensorMode()
+    with fake, _default_dtype(dtype):
         model = presets.build_model(spec.arch, config=config, weights="init")
         if checkpointing:
             if hasattr(model, "enable_gradient_checkpointing"):
@@ -474,6 +544,11 @@ def _saved_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int,
             else:
                 model.gradient_checkpointing_enable()
         model.train()
+    with contextlib.ExitStack() as group:
+        if sequence_parallel > 1:  # the mesh and the hooks are made of real tensors: outside the fake mode
+            enable_sequence_parallel(model, group.enter_context(traced_mesh(sequence_parallel)))
+        group.enter_context(fake)
+        group.enter_context(_default_dtype(dtype))
         inputs = _inputs(shapes, dtype)
         params = {p.untyped_storage()._cdata for p in model.parameters()}
         saved: dict[int, int] = {}
