@@ -22,9 +22,9 @@ from tests.test_dmd2 import distill_card, fit_and_measure, weights
 SIZE = RunArgs(frames=5, height=16, width=16)  # (5 - 1) / 4 + 1 = 2 latent frames
 
 
-def chunked_sampler(chunk_frames=1) -> FlowMatchSampler:
+def chunked_sampler(chunk_frames=1, **kwargs) -> FlowMatchSampler:
     return FlowMatchSampler(num_steps=4, step_sigmas=[1.0, 0.75, 0.5, 0.25], chunk_frames=chunk_frames,
-                            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
+                            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True), **kwargs)
 
 
 def self_forcing(card=None, chunk_frames=1, ratio: int = 2, run: RunArgs = SIZE) -> DMD2:
@@ -114,6 +114,36 @@ def test_bad_settings_name_the_option():
     with pytest.raises(ValueError, match=r"sampler.chunk_frames=2 does not divide the 3 latent frames of "
                                          r"run.frames=9"):
         module.configure_model()
+
+
+def test_served_rolling_cache_keeps_the_last_chunks():
+    """``sampler.cache_chunks: 1`` over 3 latent frames (9 frames): served, the cache holds one chunk after every
+    write (the plain one two), and the video is the plain cache's for the first two chunks (chunk 1 sees chunk 0,
+    within the window) and not for the third (chunk 0 was evicted)."""
+    module = self_forcing(run=RunArgs(frames=9, height=16, width=16))
+    module.configure_model()
+    stored = []
+    module.card["transformer"].register_forward_hook(
+        lambda _m, _args, kwargs, _out: stored.append(kwargs["kv_cache"].stored_frames)
+        if kwargs.get("update_cache") else None, with_kwargs=True)
+    prompts = ["a red circle moving left on a blue background", "a green square moving up on a black background"]
+    plain = module.generate(prompts, seed=3, latents_only=True)
+    assert stored == [1, 2]
+    stored.clear()
+    module.sampler = chunked_sampler(cache_chunks=1)
+    rolled = module.generate(prompts, seed=3, latents_only=True)
+    assert stored == [1, 1]
+    assert torch.equal(rolled[:, :, :2], plain[:, :, :2])
+    assert (rolled[:, :, 2] - plain[:, :, 2]).abs().max() > 1e-4
+
+
+def test_rolling_cache_settings_name_the_option():
+    with pytest.raises(ValueError, match=r"sampler: cache_chunks=2 .* needs chunk_frames"):
+        FlowMatchSampler(num_steps=4, cache_chunks=2)
+    with pytest.raises(ValueError, match=r"cache_chunks=0 .* W >= 1"):
+        chunked_sampler(cache_chunks=0)
+    with pytest.raises(ValueError, match=r"sampler: sink_chunks=1 must be >= 0 and needs cache_chunks"):
+        chunked_sampler(sink_chunks=1)
 
 
 # ------------------------------------------------------------------ learning, against the pretrained world's teacher
