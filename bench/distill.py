@@ -176,7 +176,9 @@ def self_forcing_bench(args) -> None:
         with mock.patch.object(sys, "argv", sys.argv[:1]):
             extra = ["--trainer.default_root_dir", tmp, "--trainer.logger", "false", "--trainer.enable_checkpointing",
                      "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0", "--seed_everything",
-                     str(seed), "--model.init_args.run.seed", str(seed), *args.override, *more]
+                     str(seed), "--model.init_args.run.seed", str(seed), *more]
+            if args.chunk_frames is not None:
+                extra += ["--model.init_args.sampler.init_args.chunk_frames", str(args.chunk_frames)]
             if args.steps is not None:
                 extra += ["--trainer.max_steps", str(args.steps)]
             cli = PosttrainCLI(args=["--config", args.config, *extra], run=False)
@@ -271,8 +273,8 @@ def main() -> None:
     parser.add_argument("--control", action="store_true", help="with --per-chunk: also a zero student lr fit")
     parser.add_argument("--lengths", type=int, default=3, help="with --per-chunk: generate this many clip lengths")
     parser.add_argument("--json", default=None, help="with --per-chunk: write every score here")
-    parser.add_argument("--override", nargs="*", default=[], help="with --per-chunk: further CLI arguments of the "
-                        "config, e.g. --model.init_args.sampler.init_args.chunk_frames 3")
+    parser.add_argument("--chunk-frames", type=int, default=None, help="with --per-chunk: the student's chunk "
+                        "(latent frames; default: the config's sampler.chunk_frames)")
     args = parser.parse_args()
     if args.per_chunk:
         return self_forcing_bench(args)
