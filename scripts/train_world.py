@@ -21,6 +21,17 @@ The shipped ``modules/assets/umt5`` and ``wan_t2v`` are two runs on the shipped 
 without CFG, shape 0.75, colour 1.0, background 1.0, motion 0.97, all four 0.73 (chance: 1/3, 1/6, 1/6, 1/4);
 with ``--guidance 4.5`` 0.94 / 1.0 / 1.0 / 1.0, all four 0.94. Held-out-concept prompts: all four 0.0.
 
+The long world ``modules/assets/world21`` (21-frame clips = 6 latent frames, the shape moving at the 5-frame world's
+pace, ``--speed 0.0625``, so its motion continues over the clip; Self-Forcing's teacher in
+``configs/self_forcing_long.yaml``) continues the shipped pair at that length, one thread under ``nice``:
+
+    python scripts/train_world.py --init modules/assets --out runs/world21 --frames 21 --speed 0.0625 --minutes 40
+                                                                                          # 1277 steps, 40.0 min
+
+``--evaluate modules/assets/world21 --frames 21`` reads back, on the full 21 frames of the same 64 seen-concept
+prompts without CFG, shape 0.31, colour 0.59, background 1.0, motion 0.55, all four 0.17; with ``--guidance 4.5``
+0.58 / 0.63 / 1.0 / 0.72, all four 0.42. Held-out-concept prompts: all four 0.0.
+
 Writes ``<out>/umt5`` and ``<out>/wan_t2v`` (``save_pretrained``, safetensors). Needs the VAE asset
 (``scripts/train_vae.py``) first: the generator is trained in that VAE's latent space.
 """
