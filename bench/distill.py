@@ -71,7 +71,6 @@ def row(name: str, scores: dict) -> str:
 
 
 # ---------------------------------------------------------------------- Self-Forcing on long clips (--per-chunk)
-WINDOW = 5  # frames per window: the shipped world's clip length (one latent frame of the 4x VAE and the frame before)
 
 
 def windows(videos: torch.Tensor) -> list[torch.Tensor]:
