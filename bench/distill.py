@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import tempfile
@@ -69,6 +70,194 @@ def row(name: str, scores: dict) -> str:
             f"{scores['shape']:.2f} / {scores['colour']:.2f} / {scores['background']:.2f} / {scores['motion']:.2f} |")
 
 
+# ---------------------------------------------------------------------- Self-Forcing on long clips (--per-chunk)
+
+
+def windows(videos: torch.Tensor) -> list[torch.Tensor]:
+    """(B, 3, F, H, W) -> the (B, 3, 5, H, W) windows of pixel frames [4(p-1), 4p], p = 1 .. (F-1)/4: window p ends on
+    latent frame p (the causal VAE's latent frame 0 is pixel frame 0, latent frame p pixel frames 4p-3 .. 4p), so it
+    shows what chunk position p generated, and it is the shipped world's clip length, which GenEval reads."""
+    return [videos[:, :, 4 * (p - 1):4 * p + 1] for p in range(1, (videos.shape[2] - 1) // 4 + 1)]
+
+
+def window_scores(prompts: list[str], reference: list[torch.Tensor], parts: list[torch.Tensor]) -> dict:
+    """GenEval of the windows ``parts`` (all of one position, or a block of positions), and their Fréchet VAE distance
+    to the teacher's windows ``reference`` (every position of its clips pooled)."""
+    frechet = VideoFrechetDistance()
+    for part in reference:
+        frechet.update(part, real=True)
+    geneval = SyntheticGenEval()
+    for part in parts:
+        frechet.update(part, real=False)
+        geneval.update(part, prompts)
+    return {"frechet": float(frechet.compute()), **{k: float(v) for k, v in geneval.compute().items()}}
+
+
+@torch.no_grad()
+def rollout(module, prompts: list[str], sampler, batch: int, latent_frames: int) -> torch.Tensor:
+    """Decoded student videos of ``latent_frames`` latent frames (past the clip: the served chunk loop, its KV cache
+    plain or rolling as ``sampler`` says), batch ``i`` from seed ``i`` as ``samples``."""
+    videos = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        g = torch.Generator().manual_seed(i // batch)
+        shape = list(module.stage.latent_shape(module.video))
+        shape[1] = latent_frames
+        noise = torch.randn((len(chunk), *shape), generator=g)
+        cond, uncond = module.conditioning(chunk, sampler)
+        latents = module.stage.sample(sampler, noise, cond, uncond, name="transformer", rng=g).latents
+        videos.append(module.stage.decode(latents))
+    return torch.cat(videos)
+
+
+def measure_chunks(module, prompts: list[str], teacher: tuple[torch.Tensor, torch.Tensor], batch: int,
+                   lengths: int) -> tuple[dict, dict]:
+    """The student's scores on the clip (``closeness``), per window position, and ``lengths``× past the clip with
+    the plain cache and the rolling one (W = the chunks before the clip's last: the most context training showed),
+    per clip length (window p counts in the clip length its latent frame p falls in). Returns (scores, videos for
+    the sheet)."""
+    sampler = module.sampler
+    clip = samples(module, prompts, sampler, "transformer", batch)
+    reference = windows(teacher[1])
+    scores = {"clip": closeness(prompts, teacher, clip),
+              "windows": [window_scores(prompts, reference, [w]) for w in windows(clip[1])]}
+    latent_frames, n = clip[0].shape[2], sampler.chunk_frames
+    rolling = copy.copy(sampler)
+    rolling.cache_chunks = latent_frames // n - 1
+    videos = {"clip": clip[1]}
+    for name, served in {"plain": sampler, "rolling": rolling}.items():
+        long = rollout(module, prompts, served, batch, lengths * latent_frames)
+        parts = windows(long)  # window p ends on latent frame p (p = 1 ..)
+        scores[name] = [window_scores(prompts, reference, [w for p, w in enumerate(parts, 1) if p // latent_frames == b])
+                        for b in range(lengths)]
+        videos[name] = long
+    return scores, videos
+
+
+def spread(values: list[float]) -> str:
+    """mean [min, max] of one figure over seeds (just the value for one)."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{sum(values) / len(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def chunk_tables(runs: dict[str, list[dict]], target: dict, teacher_windows: list[dict]) -> str:
+    """Markdown tables of ``runs`` (row name -> one scores dict per seed): the clip, per window position, past the
+    clip per block of positions."""
+    def cell(seeds, get):
+        return " / ".join(spread([get(s)[k] for s in seeds]) for k in ("all", "motion", "frechet"))
+
+    some = next(iter(runs.values()))[0]
+    lines = ["| samples | clip: Fréchet / latent MSE / GenEval all / motion |" +
+             "".join(f" window {p + 1} (frames {4 * p}–{4 * p + 4}): all / motion / Fréchet |"
+                     for p in range(len(some["windows"]))), "|---|---|" + "---|" * len(some["windows"])]
+    lines.append(f"| teacher, 20 steps CFG | 0 / 0 / {target['all']:.2f} / {target['motion']:.2f} |" +
+                 "".join(f" {w['all']:.2f} / {w['motion']:.2f} / {w['frechet']:.2f} |" for w in teacher_windows))
+    for name, seeds in runs.items():
+        clip = " / ".join(spread([s["clip"][k] for s in seeds]) for k in ("frechet", "latent_mse", "all", "motion"))
+        lines.append(f"| {name} | {clip} |" + "".join(
+            f" {cell(seeds, lambda s, p=p: s['windows'][p])} |" for p in range(len(some["windows"]))))
+    blocks = len(some["plain"])
+    lines += ["", "| samples past the clip | cache |" + "".join(
+        f" clip length ×{b + 1}: all / motion / Fréchet |" for b in range(blocks)), "|---|---|" + "---|" * blocks]
+    for name, seeds in runs.items():
+        for cache in ("plain", "rolling"):
+            lines.append(f"| {name} | {cache} |" + "".join(
+                f" {cell(seeds, lambda s, b=b: s[cache][b])} |" for b in range(blocks)))
+    return "\n".join(lines)
+
+
+def self_forcing_bench(args) -> None:
+    """``--per-chunk``: the config fitted from ``--seeds`` seeds (and a zero student learning rate, ``--control``),
+    each student scored on the clip, per window position and past the clip (``measure_chunks``), against the
+    teacher's many-step CFG samples; the time ratio of one batch as ``main``'s."""
+    def build(seed: int, *more: str):
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
+            extra = ["--trainer.default_root_dir", tmp, "--trainer.logger", "false", "--trainer.enable_checkpointing",
+                     "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0", "--seed_everything",
+                     str(seed), "--model.init_args.run.seed", str(seed), *more]
+            if args.chunk_frames is not None:
+                extra += ["--model.init_args.sampler.init_args.chunk_frames", str(args.chunk_frames)]
+            if args.steps is not None:
+                extra += ["--trainer.max_steps", str(args.steps)]
+            cli = PosttrainCLI(args=["--config", args.config, *extra], run=False)
+        cli.model.configure_model()
+        cli.model.eval()
+        return cli
+
+    def fitted(cli):
+        cli.model.train()
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        cli.model.eval()
+        return cli.model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cli = build(0)
+        module = cli.model
+        student_sampler, teacher_sampler = module.sampler, module.teacher_sampler
+        if not student_sampler.chunk_frames:
+            raise SystemExit(f"--per-chunk measures a chunked (Self-Forcing) student; {args.config} has "
+                             f"sampler.chunk_frames: null")
+        data = ShapesDataset(args.prompts, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
+        prompts = [data[i]["prompt"] for i in range(len(data))]
+
+        # 1. sampling time of one batch, student against teacher, interleaved
+        one = prompts[:args.batch]
+        blocks = interleave(lambda: samples(module, one, teacher_sampler, "teacher", args.batch),
+                            lambda: samples(module, one, student_sampler, "transformer", args.batch),
+                            blocks=args.blocks, per_block=1, names=("teacher", "student"))
+        print(f"sampling {len(one)} videos of {module.video}: teacher {teacher_sampler.num_steps} steps with CFG "
+              f"{teacher_sampler.guidance_scale} vs student {student_sampler.num_steps} steps, chunks of "
+              f"{student_sampler.chunk_frames} latent frame(s)")
+        print(compare(blocks, per="batch", ratio_name="time student/teacher").report(), flush=True)
+
+        # 2. the teacher's samples (the reference) and its own scores; the student before training
+        teacher = samples(module, prompts, teacher_sampler, "teacher", args.batch)
+        geneval = SyntheticGenEval()
+        geneval.update(teacher[1], prompts)
+        target = {k: float(v) for k, v in geneval.compute().items()}
+        reference = windows(teacher[1])
+        teacher_windows = [window_scores(prompts, reference, [w]) for w in reference]
+        before, sheet = measure_chunks(module, prompts, teacher, args.batch, args.lengths)
+        runs = {"student before training (the teacher's weights, chunked, KV cache)": [before]}
+        print(chunk_tables(runs, target, teacher_windows), flush=True)
+
+        # 3. fit from each seed; the zero-lr control
+        after, steps = [], None
+        for seed in range(args.seeds):
+            trained = fitted(build(seed))
+            steps = trained.trainer.global_step
+            scores, videos = measure_chunks(trained, prompts, teacher, args.batch, args.lengths)
+            after.append(scores)
+            sheet = videos if seed == 0 else sheet
+            print(f"seed {seed}: clip {scores['clip']}", flush=True)
+        runs[f"student after {steps} iterations ({args.seeds} seeds: mean [min, max])"] = after
+        if args.control:
+            control = fitted(build(0, "--model.init_args.card.experts.transformer.optimizer.init_args.lr", "0.0"))
+            runs["control: student lr 0 (seed 0)"] = [measure_chunks(control, prompts, teacher, args.batch,
+                                                                     args.lengths)[0]]
+    print(f"\n{len(prompts)} seen-concept prompts, {module.video.frames}-frame clips; chunks of "
+          f"{student_sampler.chunk_frames} latent frame(s); reference: the teacher, {teacher_sampler.num_steps} steps, "
+          f"CFG {teacher_sampler.guidance_scale}; Fréchet VAE distance to the teacher's windows, all positions pooled; "
+          f"past the clip: {args.lengths}× its latent frames, the plain cache keeping every chunk, the rolling one the "
+          f"last {teacher[0].shape[2] // student_sampler.chunk_frames - 1} chunks\n")
+    print(chunk_tables(runs, target, teacher_windows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": target, "teacher_windows": teacher_windows, "runs": runs}, f, indent=1)
+    if args.grid:
+        every = slice(0, None, 4)  # the last pixel frame of each latent frame
+        rows = []
+        for i in range(min(4, len(prompts))):
+            rows.append((f"{prompts[i][:60]}: teacher, {teacher_sampler.num_steps} steps, CFG (every 4th frame)",
+                         teacher[1][i][:, every]))
+            rows.append((f"student after {steps} iterations (seed 0)", sheet["clip"][i][:, every]))
+            rows.append((f"the same, {args.lengths}x the clip, plain cache", sheet["plain"][i][:, every]))
+            rows.append((f"the same, {args.lengths}x the clip, rolling cache", sheet["rolling"][i][:, every]))
+        grid(rows, scale=4).save(args.grid)
+        print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "dmd2.yaml"))
@@ -77,7 +266,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=5, help="timing blocks")
     parser.add_argument("--grid", default=None, help="write a PNG of the first 4 prompts' samples (every row) here")
+    parser.add_argument("--per-chunk", action="store_true", help="Self-Forcing: scores per window position and past "
+                        "the clip (plain and rolling KV cache), over --seeds fits (self_forcing_bench)")
+    parser.add_argument("--seeds", type=int, default=3, help="with --per-chunk: fits from seeds 0 .. N-1")
+    parser.add_argument("--control", action="store_true", help="with --per-chunk: also a zero student lr fit")
+    parser.add_argument("--lengths", type=int, default=3, help="with --per-chunk: generate this many clip lengths")
+    parser.add_argument("--json", default=None, help="with --per-chunk: write every score here")
+    parser.add_argument("--chunk-frames", type=int, default=None, help="with --per-chunk: the student's chunk "
+                        "(latent frames; default: the config's sampler.chunk_frames)")
     args = parser.parse_args()
+    if args.per_chunk:
+        return self_forcing_bench(args)
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sys, "argv", sys.argv[:1]):
         extra = ["--trainer.default_root_dir", tmp, "--trainer.logger", "false", "--trainer.enable_checkpointing",

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.modules import batch as batch_schema
-from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts, caption, parse_caption, render
+from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, SPEED, Facts, caption, parse_caption, render
 
 COLOURS = PALETTE  # the name this module has always exported
 # What the shipped generator (modules/assets/wan_t2v) was pretrained without: no magenta anywhere.
@@ -65,11 +65,15 @@ class ShapesDataset(Dataset):
     ``concept_fraction``: the mixing of the module docstring, on top of ``exclude`` / ``include``.
     ``exclude_captions``: whole captions no sample may have (e.g. an evaluation's, to score it on
     combinations training never showed).
+    ``speed``: how far the shape moves per frame step, a fraction of the frame (``modules.world.PACE``: the
+    shipped 5-frame world's pace, so a longer clip continues its motion); None: ``SPEED`` over the whole
+    clip, whatever its length.
     """
 
     def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
                  exclude: Sequence[str] = (), include: Sequence[str] = (), concept: Sequence[str] = (),
-                 concept_fraction: Optional[float] = None, exclude_captions: Sequence[str] = ()):
+                 concept_fraction: Optional[float] = None, exclude_captions: Sequence[str] = (),
+                 speed: Optional[float] = None):
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples} must be >= 1 (synthetic videos per epoch, e.g. 64)")
         self.num_samples, self.frames, self.height, self.width, self.seed = num_samples, frames, height, width, seed
@@ -92,6 +96,10 @@ class ShapesDataset(Dataset):
             raise ValueError(f"exclude_captions: {not_captions} are not captions of the world; write them as "
                              f"{caption('circle', 'red', 'left', 'blue')!r}")
         self.exclude_captions = frozenset(exclude_captions)
+        if speed is not None and not 0.0 < speed < 0.5:
+            raise ValueError(f"speed={speed} must be in (0, 0.5): the fraction of the frame the shape moves per frame "
+                             f"step (e.g. modules.world.PACE = {SPEED / 4}); leave it unset for SPEED over the clip")
+        self.speed = speed
 
     def shows_concept(self, index: int) -> Optional[bool]:
         """Whether sample ``index`` must show the concept (None: no mixing). Index i does when
@@ -131,7 +139,8 @@ class ShapesDataset(Dataset):
         shape, colour, motion, background = self.facts(index)
         g = torch.Generator().manual_seed(self.seed * 7_919 + index)
         start = tuple(float(v) for v in 0.25 + 0.5 * torch.rand(2, generator=g))
-        video = render(shape, colour, motion, background, self.frames, self.height, self.width, start=start)
+        speed = SPEED if self.speed is None else self.speed * max(self.frames - 1, 1)
+        video = render(shape, colour, motion, background, self.frames, self.height, self.width, start=start, speed=speed)
         return batch_schema.item(caption(shape, colour, motion, background), index, video=video)
 
 

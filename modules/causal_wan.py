@@ -57,10 +57,19 @@ from diffusers.models.transformers.transformer_wan import (
 class WanKVCache:
     """Self-attention keys and values of the finished chunks, one entry per transformer block.
 
-    ``keys[i]``/``values[i]``: (B, num_frames · tokens_per_frame, heads, head_dim), after the q/k RMSNorm and
-    RoPE (diffusers' processor layout), for latent frames ``[0, num_frames)``. The cache holds constants:
-    entries are stored detached, as Self-Forcing fills its cache under ``torch.no_grad`` (gradient reaches a
-    chunk only through its own exit step, never through a later chunk's attention).
+    ``keys[i]``/``values[i]``: (B, stored_frames · tokens_per_frame, heads, head_dim), after the q/k RMSNorm and
+    RoPE (diffusers' processor layout). ``num_frames`` latent frames are finished (the next input starts at that
+    absolute frame, its RoPE position). The cache holds constants: entries are stored detached, as Self-Forcing
+    fills its cache under ``torch.no_grad`` (gradient reaches a chunk only through its own exit step, never through
+    a later chunk's attention).
+
+    Rolling (Self-Forcing++, Cui et al. 2025; Self-Forcing's ``local_attn_size``/``sink_size`` in
+    ``wan/modules/causal_model.py``): with ``window_frames`` set, once a forward has stored its frames only the
+    first ``sink_frames`` and the last ``window_frames`` finished frames stay, older ones are evicted, so the
+    stored frames never exceed ``sink_frames + window_frames`` between calls whatever the video's length. Keys keep
+    the RoPE angles of their absolute frames; RoPE scores depend on the query–key distance only, so a window no
+    longer than the training clip keeps every distance the student was trained on (a sink does not). None: keep
+    every frame.
     """
 
     num_layers: int
@@ -68,28 +77,51 @@ class WanKVCache:
     values: list[Optional[torch.Tensor]] = field(default_factory=list)
     num_frames: int = 0
     tokens_per_frame: Optional[int] = None
+    window_frames: Optional[int] = None
+    sink_frames: int = 0
+    evicted_frames: int = 0  # frames dropped from between the sink and the window
 
     def __post_init__(self):
+        if self.window_frames is not None and self.window_frames < 1:
+            raise ValueError(f"window_frames={self.window_frames} must be >= 1 finished frame (or None: keep all)")
+        if self.sink_frames < 0 or (self.sink_frames and self.window_frames is None):
+            raise ValueError(f"sink_frames={self.sink_frames} must be >= 0 and needs window_frames (a sink is what "
+                             f"a rolling cache keeps besides its window)")
         if not self.keys:
             self.reset()
+
+    @property
+    def stored_frames(self) -> int:
+        return self.num_frames - self.evicted_frames
+
+    def stored_positions(self) -> torch.Tensor:
+        """(stored_frames,) absolute latent frame of each stored frame, in storage order."""
+        if not self.evicted_frames:
+            return torch.arange(self.num_frames)
+        return torch.cat([torch.arange(self.sink_frames), torch.arange(self.sink_frames + self.evicted_frames,
+                                                                       self.num_frames)])
 
     def reset(self) -> None:
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
         self.num_frames = 0
         self.tokens_per_frame = None
+        self.evicted_frames = 0
 
     def truncate(self, num_frames: int) -> None:
         """Keep the first ``num_frames`` frames (e.g. to regenerate the chunks after them)."""
-        if not 0 <= num_frames <= self.num_frames:
-            raise ValueError(f"cannot truncate a cache of {self.num_frames} frames to {num_frames}")
-        end = num_frames * (self.tokens_per_frame or 0)
+        kept_from = self.sink_frames + self.evicted_frames if self.evicted_frames else 0
+        if not kept_from <= num_frames <= self.num_frames:
+            raise ValueError(f"cannot truncate a cache of {self.num_frames} frames to {num_frames}"
+                             + (f" (frames {self.sink_frames}..{self.sink_frames + self.evicted_frames - 1} were "
+                                f"evicted)" if self.evicted_frames else ""))
+        end = (num_frames - self.evicted_frames) * (self.tokens_per_frame or 0)
         self.keys = [None if k is None or end == 0 else k[:, :end] for k in self.keys]
         self.values = [None if v is None or end == 0 else v[:, :end] for v in self.values]
         self.num_frames = num_frames
 
     def store(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write ``key``/``value`` (B, L, heads, head_dim) at token ``start``, dropping anything after it.
+        """Write ``key``/``value`` (B, L, heads, head_dim) at stored token ``start``, dropping anything after it.
 
         Idempotent: writing the same chunk twice (gradient checkpointing's recomputation) leaves the same cache.
         """
@@ -100,15 +132,27 @@ class WanKVCache:
             self.keys[layer] = torch.cat([old_k[:, :start], key.detach()], dim=1)
             self.values[layer] = torch.cat([old_v[:, :start], value.detach()], dim=1)
 
+    def evict(self) -> None:
+        """Drop the finished frames between the sink and the window (after a forward stored its frames)."""
+        if self.window_frames is None:
+            return
+        drop = self.stored_frames - self.sink_frames - self.window_frames
+        if drop <= 0:
+            return
+        sink, cut = self.sink_frames * self.tokens_per_frame, (self.sink_frames + drop) * self.tokens_per_frame
+        self.keys = [None if k is None else torch.cat([k[:, :sink], k[:, cut:]], dim=1) for k in self.keys]
+        self.values = [None if v is None else torch.cat([v[:, :sink], v[:, cut:]], dim=1) for v in self.values]
+        self.evicted_frames += drop
+
 
 @dataclass
 class _Chunking:
     """Per-call state of one causal forward, read by every block's ``attn1`` processor."""
 
-    frame_offset: int  # absolute latent frame of the input's first frame (= frames already in the cache)
+    frame_offset: int  # absolute latent frame of the input's first frame (= frames already finished)
     attn_mask: Optional[torch.Tensor]  # (1, 1, L_q, L_k) bool, True = attend; None = every key visible
     kv_cache: Optional[WanKVCache]
-    cache_tokens: int  # cached tokens the input attends to (frame_offset · tokens_per_frame)
+    cache_tokens: int  # cached tokens the input attends to (stored_frames · tokens_per_frame)
     update_cache: bool
 
 
@@ -215,19 +259,27 @@ class CausalWanAttnProcessor(WanAttnProcessor):
 
 
 def block_causal_mask(num_frames: int, frame_offset: int, num_frames_per_chunk: int, tokens_per_frame: int,
-                      device: torch.device) -> Optional[torch.Tensor]:
+                      device: torch.device, key_frames: Optional[torch.Tensor] = None,
+                      window_frames: Optional[int] = None, sink_frames: int = 0) -> Optional[torch.Tensor]:
     """(1, 1, L_q, L_k) bool mask, True = attend, or None when every key is visible.
 
-    Queries are the input's frames ``[frame_offset, frame_offset + num_frames)``, keys all frames
-    ``[0, frame_offset + num_frames)``; query frame ``f`` sees key frame ``g`` iff ``g // n <= f // n``
-    (n = frames per chunk), as SkyReels-V2's diffusion-forcing mask and Self-Forcing's block mask.
-    Tokens are frame-major, each frame ``tokens_per_frame`` long.
+    Queries are the input's frames ``[frame_offset, frame_offset + num_frames)``, keys the frames ``key_frames``
+    (absolute positions of the cached keys; default all of ``[0, frame_offset)``) followed by the input's; query
+    frame ``f`` sees key frame ``g`` iff ``g // n <= f // n`` (n = frames per chunk), as SkyReels-V2's
+    diffusion-forcing mask and Self-Forcing's block mask. With ``window_frames`` it also needs ``g`` among the
+    ``window_frames`` frames before ``f``'s chunk, or in it, or among the first ``sink_frames`` (Self-Forcing's
+    ``local_attn_size`` mask, the rolling cache's view). Tokens are frame-major, each frame ``tokens_per_frame`` long.
     """
-    query_chunk = torch.arange(frame_offset, frame_offset + num_frames, device=device) // num_frames_per_chunk
-    key_chunk = torch.arange(frame_offset + num_frames, device=device) // num_frames_per_chunk
-    if bool(query_chunk.min() >= key_chunk.max()):
-        return None
+    queries = torch.arange(frame_offset, frame_offset + num_frames, device=device)
+    cached = torch.arange(frame_offset, device=device) if key_frames is None else key_frames.to(device)
+    keys = torch.cat([cached, queries])
+    query_chunk, key_chunk = queries // num_frames_per_chunk, keys // num_frames_per_chunk
     frames = key_chunk[None, :] <= query_chunk[:, None]  # (F_q, F_k)
+    if window_frames is not None:
+        chunk_start = query_chunk * num_frames_per_chunk
+        frames &= (keys[None, :] >= chunk_start[:, None] - window_frames) | (keys[None, :] < sink_frames)
+    if bool(frames.all()):
+        return None
     mask = frames.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
     return mask[None, None]
 
@@ -283,6 +335,8 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         kv_cache: Optional[WanKVCache] = None,
         update_cache: bool = False,
         num_frames_per_chunk: Optional[int] = None,
+        window_frames: Optional[int] = None,
+        sink_frames: int = 0,
     ):
         """Velocity of the input frames, block-causally.
 
@@ -297,6 +351,9 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             update_cache: store the input's keys/values as the next finished frames (Self-Forcing's context pass
                 on the denoised chunk, at σ = 0); needs ``kv_cache``.
             num_frames_per_chunk: overrides ``self.num_frames_per_chunk`` for this call.
+            window_frames, sink_frames: without a cache, the rolling cache's view in one forward (a frame sees the
+                ``window_frames`` frames before its chunk, its chunk and the first ``sink_frames``); a cache brings
+                its own (``WanKVCache.window_frames``).
         """
         chunk = num_frames_per_chunk or self.num_frames_per_chunk
         batch_size, _, num_frames, height, width = hidden_states.shape
@@ -314,8 +371,11 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             raise RuntimeError(f"blocks {wrong} lost their CausalWanAttnProcessor (set_attn_processor?): attention "
                                f"would silently see the future")
 
+        if kv_cache is not None and (window_frames is not None or sink_frames):
+            raise ValueError(f"window_frames={window_frames}, sink_frames={sink_frames} shape a forward without a "
+                             f"cache; a cache rolls by its own (WanKVCache(window_frames=..., sink_frames=...))")
         tokens_per_frame = (height // p_h) * (width // p_w)
-        frame_offset = 0
+        frame_offset, key_frames = 0, None
         if kv_cache is not None:
             frame_offset = kv_cache.num_frames
             if frame_offset % chunk:
@@ -325,6 +385,8 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
                                  f"{tokens_per_frame}")
             if len(kv_cache.keys) != len(self.blocks):
                 raise ValueError(f"the cache has {len(kv_cache.keys)} layers, the model {len(self.blocks)}")
+            key_frames, window_frames, sink_frames = \
+                kv_cache.stored_positions(), kv_cache.window_frames, kv_cache.sink_frames
 
         if timestep.ndim == 2:
             if tuple(timestep.shape) != (batch_size, num_frames):
@@ -334,9 +396,10 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
 
         chunking = _Chunking(
             frame_offset=frame_offset,
-            attn_mask=block_causal_mask(num_frames, frame_offset, chunk, tokens_per_frame, hidden_states.device),
+            attn_mask=block_causal_mask(num_frames, frame_offset, chunk, tokens_per_frame, hidden_states.device,
+                                        key_frames, window_frames, sink_frames),
             kv_cache=kv_cache,
-            cache_tokens=frame_offset * tokens_per_frame,
+            cache_tokens=0 if kv_cache is None else kv_cache.stored_frames * tokens_per_frame,
             update_cache=update_cache,
         )
         self.rope.pending = chunking
@@ -348,8 +411,9 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         if update_cache:
             kv_cache.num_frames = frame_offset + num_frames
             kv_cache.tokens_per_frame = tokens_per_frame
+            kv_cache.evict()
         return out
 
-    def new_cache(self) -> WanKVCache:
-        """An empty cache for one generation (one per batch of samples)."""
-        return WanKVCache(num_layers=len(self.blocks))
+    def new_cache(self, window_frames: Optional[int] = None, sink_frames: int = 0) -> WanKVCache:
+        """An empty cache for one generation (one per batch of samples); ``window_frames``: a rolling one."""
+        return WanKVCache(num_layers=len(self.blocks), window_frames=window_frames, sink_frames=sink_frames)

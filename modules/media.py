@@ -54,9 +54,9 @@ def write_media(path: str, video: torch.Tensor, fps: int = 8) -> str:
 
 def grid(rows: list[tuple[str, torch.Tensor]], scale: int) -> Image.Image:
     """A sheet of videos to look at: one row per (label, (3, F, H, W) video), the label above the F frames side
-    by side, each frame enlarged ``scale`` times (nearest neighbour)."""
+    by side (rows of fewer frames end early), each frame enlarged ``scale`` times (nearest neighbour)."""
     frames = [to_frames(video) for _, video in rows]  # (F, H, W, 3) uint8 each
-    f, h, w, _ = frames[0].shape
+    f, h, w = max(video.shape[0] for video in frames), *frames[0].shape[1:3]
     label_h, pad = 14, 4
     canvas = Image.new("RGB", (f * (w * scale + pad) + pad, len(rows) * (h * scale + label_h + pad) + pad), "white")
     draw = ImageDraw.Draw(canvas)

@@ -189,11 +189,16 @@ class FlowMatchSampler:
             None = the scheduler's own grid of ``num_steps``.
         chunk_frames: latent frames per chunk of a block-causal transformer (``arch: wan_t2v_causal``):
             sample chunk by chunk with a KV cache. None = the whole video in one pass.
+        cache_chunks: W, a rolling KV cache (Self-Forcing++): each chunk attends to the last W finished chunks
+            (and the first ``sink_chunks``), older ones are evicted, so memory stays bounded on a video of any
+            length. None = every finished chunk stays.
+        sink_chunks: the first chunks a rolling cache never evicts (Self-Forcing's ``sink_size``; anchor 0).
     """
 
     def __init__(self, num_steps: int = 20, scheduler: Optional[SchedulerMixin] = None, guidance_scale: float = 1.0,
                  noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None,
-                 step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None):
+                 step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None,
+                 cache_chunks: Optional[int] = None, sink_chunks: int = 0):
         if num_steps < 1:
             raise ValueError(f"sampler: num_steps={num_steps} must be >= 1 (e.g. 20; a distilled student 4)")
         if step_sigmas is not None:
@@ -210,6 +215,12 @@ class FlowMatchSampler:
             step_sigmas = steps
         if chunk_frames is not None and chunk_frames < 1:
             raise ValueError(f"sampler: chunk_frames={chunk_frames} must be >= 1 latent frame (or null: no chunks)")
+        if cache_chunks is not None and (chunk_frames is None or cache_chunks < 1):
+            raise ValueError(f"sampler: cache_chunks={cache_chunks} (a rolling KV cache of the last W finished chunks) "
+                             f"needs chunk_frames and W >= 1 (e.g. chunk_frames: 1, cache_chunks: 5), or null: keep all")
+        if sink_chunks < 0 or (sink_chunks and cache_chunks is None):
+            raise ValueError(f"sampler: sink_chunks={sink_chunks} must be >= 0 and needs cache_chunks (the first "
+                             f"chunks a rolling KV cache keeps besides its window), or 0")
         if sde_window is not None and not (0 <= sde_window[0] < sde_window[1] <= num_steps):
             raise ValueError(f"sampler: sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
         if noise_level < 0:
@@ -230,6 +241,7 @@ class FlowMatchSampler:
         self.sde_window = sde_window
         self.step_sigmas = step_sigmas
         self.chunk_frames = chunk_frames
+        self.cache_chunks, self.sink_chunks = cache_chunks, sink_chunks
         if step_sigmas is not None:
             self.schedule()  # a scheduler that takes no custom σ list stops here, not mid-run
 
@@ -325,6 +337,10 @@ class FlowMatchSampler:
         if kv_cache is None:
             raise ValueError(f"sampler: chunk_frames={n} needs the causal model's kv_cache (GeneratorStage.sample "
                              f"makes one)")
+        if self.cache_chunks is not None:  # the cache rolls: the last W finished chunks (and the sink) stay
+            if kv_cache.num_frames:
+                raise ValueError("sampler: cache_chunks rolls a fresh KV cache; this one already holds frames")
+            kv_cache.window_frames, kv_cache.sink_frames = self.cache_chunks * n, self.sink_chunks * n
         chunks = []
         for start in range(0, num_frames, n):
             # 1. denoise this chunk's noise through the step list; the cache is read, not written

@@ -22,6 +22,9 @@ SHAPES = ("circle", "square", "triangle")
 MOTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 RADIUS = 0.22  # the shape's size, a fraction of the frame
 SPEED = 0.25  # how far the shape moves over the whole clip, a fraction of the frame
+# The shipped world's pace: SPEED over its 5-frame clips (4 frame steps). A longer clip at this pace
+# (``ShapesDataset(speed=PACE)``) shows the same motion continuing, 4× the path at 17 frames.
+PACE = SPEED / 4
 
 # Area of each shape in units of radius² (see ``shape_mask``), and how far its centroid lies below the
 # centre (triangle: apex at -r, base at 0.8r, so the centroid is 2/3 of 1.8r below the apex = +0.2r).

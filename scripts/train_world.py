@@ -21,6 +21,17 @@ The shipped ``modules/assets/umt5`` and ``wan_t2v`` are two runs on the shipped 
 without CFG, shape 0.75, colour 1.0, background 1.0, motion 0.97, all four 0.73 (chance: 1/3, 1/6, 1/6, 1/4);
 with ``--guidance 4.5`` 0.94 / 1.0 / 1.0 / 1.0, all four 0.94. Held-out-concept prompts: all four 0.0.
 
+The long world ``modules/assets/world21`` (21-frame clips = 6 latent frames, the shape moving at the 5-frame world's
+pace, ``--speed 0.0625``, so its motion continues over the clip; Self-Forcing's teacher in
+``configs/self_forcing_long.yaml``) continues the shipped pair at that length, one thread under ``nice``:
+
+    python scripts/train_world.py --init modules/assets --out runs/world21 --frames 21 --speed 0.0625 --minutes 40
+                                                                                          # 1277 steps, 40.0 min
+
+``--evaluate modules/assets/world21 --frames 21`` reads back, on the full 21 frames of the same 64 seen-concept
+prompts without CFG, shape 0.31, colour 0.59, background 1.0, motion 0.55, all four 0.17; with ``--guidance 4.5``
+0.58 / 0.63 / 1.0 / 0.72, all four 0.42. Held-out-concept prompts: all four 0.0.
+
 Writes ``<out>/umt5`` and ``<out>/wan_t2v`` (``save_pretrained``, safetensors). Needs the VAE asset
 (``scripts/train_vae.py``) first: the generator is trained in that VAE's latent space.
 """
@@ -45,19 +56,23 @@ from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
 from posttrain.modules.presets import PRESETS, TRAINED_ASSETS, build_model
 from posttrain.modules.generators import ADAPTERS, wan_text_states, wan_tokens
 from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.world import PACE, SPEED
 
 
-def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str) -> tuple[torch.Tensor, list[str]]:
+def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str,
+                    speed: float | None = None) -> tuple[torch.Tensor, list[str]]:
     """(N, z, F', h, w) normalized latents of the pretraining videos and their captions, cached on disk
     (keyed by the arguments and the VAE's encoder: a retrained decoder does not move the latents)."""
     encoder_sum = sum(float(p.double().sum()) for p in [*vae.encoder.parameters(), *vae.quant_conv.parameters()])
     key = f"{num_videos}-{frames}-{size}-{'-'.join(PRETRAIN_EXCLUDE)}-{encoder_sum:.6f}-{vae.config.latents_mean}"
+    if speed is not None:  # the shipped runs' key stays as it was
+        key += f"-speed{speed}"
     if os.path.exists(cache):
         stored = load_file(cache)
         meta = json.loads(bytes(stored["meta"].tolist()).decode())
         if meta["key"] == key:
             return stored["latents"], meta["prompts"]
-    data = ShapesDataset(num_videos, frames, size, size, seed=1, exclude=PRETRAIN_EXCLUDE)
+    data = ShapesDataset(num_videos, frames, size, size, seed=1, exclude=PRETRAIN_EXCLUDE, speed=speed)
     latents, prompts = [], []
     for i in range(0, num_videos, 32):
         items = [data[j] for j in range(i, min(i + 32, num_videos))]
@@ -96,7 +111,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vae", default=TRAINED_ASSETS["wan_vae"])
     parser.add_argument("--videos", type=int, default=4096, help="pretraining videos (encoded once, cached)")
-    parser.add_argument("--frames", type=int, default=5)
+    parser.add_argument("--frames", type=int, default=5, help="clip length in frames (4k+1: k+1 latent frames)")
+    parser.add_argument("--speed", type=float, help="how far the shape moves per frame step, a fraction of the "
+                        f"frame ({PACE}: the shipped 5-frame world's pace, continued over a longer clip); unset: "
+                        f"{SPEED} over the whole clip")
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--minutes", type=float, default=90.0, help="stop after this much wall time")
@@ -116,6 +134,8 @@ def main() -> None:
     parser.add_argument("--evaluate", metavar="FOLDER", help="train nothing: print the evaluation of the umt5 "
                         "and wan_t2v in FOLDER (e.g. modules/assets) on the eval prompts, and stop")
     args = parser.parse_args()
+    if args.frames < 1 or (args.frames - 1) % 4:
+        parser.error(f"--frames {args.frames}: the Wan VAE encodes 4k+1 frames (5, 9, 13, 17, ...)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -125,7 +145,7 @@ def main() -> None:
         transformer = build_model("wan_t2v", pretrained=os.path.join(args.evaluate, "wan_t2v")).eval()
         print("geneval", json.dumps(geneval(transformer, encoder, ByT5Tokenizer(), vae, args)), flush=True)
         return
-    latents, prompts = encoded_dataset(vae, args.videos, args.frames, args.size, args.cache)
+    latents, prompts = encoded_dataset(vae, args.videos, args.frames, args.size, args.cache, args.speed)
     print(f"{len(prompts)} pretraining videos, latents {tuple(latents.shape[1:])}", flush=True)
 
     tokenizer = ByT5Tokenizer()

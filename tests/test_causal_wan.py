@@ -286,3 +286,76 @@ def test_kv_cache_truncate_then_regenerate(causal):
     assert max((a - b).abs().max().item() for a, b in zip(cache.keys, keys)) < 1e-5
     with pytest.raises(ValueError, match="truncate a cache of 4 frames to 6"):
         cache.truncate(6)
+
+
+# ------------------------------------------------------------------------------------------- rolling KV cache
+def roll_out(model, noise, cond, chunk: int, cache=None, **window):
+    """Chunk by chunk as ``generate_cached`` (``chunk`` frames each), through ``cache`` (default: the model's plain
+    one). With ``window`` (``window_frames``, ``sink_frames``) and no cache: the same rollout recomputed, every step
+    one forward over the finished chunks (clean) and the current one under the rolling cache's mask. Returns the
+    video and the stored frames after each chunk (cached path)."""
+    done, stored = [], []
+    for k in range(noise.shape[2] // chunk):
+        x = noise[:, :, k * chunk:(k + 1) * chunk]
+        for s, s_next in zip(SIGMAS[:-1], SIGMAS[1:]):
+            if cache is not None:
+                v = model(x, torch.full((B,), 1000 * s), cond, kv_cache=cache, num_frames_per_chunk=chunk).sample
+            else:
+                video = torch.cat([*done, x], dim=2)
+                t = torch.cat([torch.zeros(B, k * chunk), torch.full((B, chunk), 1000 * s)], dim=1)
+                v = model(video, t, cond, num_frames_per_chunk=chunk, **window).sample[:, :, -chunk:]
+            x = x + (s_next - s) * v
+        if cache is not None:
+            model(x, torch.zeros(B), cond, kv_cache=cache, update_cache=True, num_frames_per_chunk=chunk)
+            stored.append((cache.stored_frames, max(k.shape[1] for k in cache.keys)))
+        done.append(x)
+    return torch.cat(done, dim=2), stored
+
+
+@pytest.mark.parametrize("chunk, window, sink", [(1, 2, 0), (1, 2, 1), (2, 2, 0)])
+def test_rolling_cache_is_bounded_and_equals_the_windowed_forward(causal, chunk, window, sink):
+    """Self-Forcing++'s rolling cache over 6 frames: after every chunk it holds at most ``sink + window`` frames
+    (16 tokens each), and the rolled rollout equals one forward per step over the whole history under the rolling
+    cache's mask (Self-Forcing's ``local_attn_size`` mask, within 1e-5). It differs from the plain cache's rollout,
+    so the window is really applied (a cache that ignored it would fail here)."""
+    noise, cond = inputs(9)
+    with torch.no_grad():
+        rolled, stored = roll_out(causal, noise, cond, chunk, WanKVCache(len(causal.blocks), window_frames=window,
+                                                                         sink_frames=sink))
+        recomputed, _ = roll_out(causal, noise, cond, chunk, window_frames=window, sink_frames=sink)
+        plain, plain_stored = roll_out(causal, noise, cond, chunk, causal.new_cache())
+    assert all(frames <= sink + window and tokens == frames * 16 for frames, tokens in stored), stored
+    assert stored[-1][0] == sink + window and plain_stored[-1][0] == F  # the plain cache grows with the video
+    assert (rolled - recomputed).abs().max() < 1e-5
+    first_evicted = (sink + window) // chunk  # chunks up to here see every earlier chunk: bitwise the plain cache
+    assert torch.equal(rolled[:, :, :(first_evicted + 1) * chunk], plain[:, :, :(first_evicted + 1) * chunk])
+    assert (rolled[:, :, (first_evicted + 1) * chunk:] - plain[:, :, (first_evicted + 1) * chunk:]).abs().max() > 1e-3
+
+
+def test_rolling_cache_within_its_window_is_the_plain_cache(causal):
+    """A window as long as the video never evicts: the rollout and every stored key equal the plain cache's."""
+    noise, cond = inputs(10)
+    with torch.no_grad():
+        rolling = WanKVCache(len(causal.blocks), window_frames=F)
+        rolled, _ = roll_out(causal, noise, cond, CHUNK, rolling)
+        plain_cache = causal.new_cache()
+        plain, _ = roll_out(causal, noise, cond, CHUNK, plain_cache)
+    assert torch.equal(rolled, plain) and rolling.evicted_frames == 0
+    assert all(torch.equal(a, b) for a, b in zip(rolling.keys + rolling.values, plain_cache.keys + plain_cache.values))
+
+
+def test_rolling_cache_bad_settings_name_the_option(causal):
+    with pytest.raises(ValueError, match=r"window_frames=0 must be >= 1"):
+        WanKVCache(2, window_frames=0)
+    with pytest.raises(ValueError, match=r"sink_frames=1 must be >= 0 and needs window_frames"):
+        WanKVCache(2, sink_frames=1)
+    x, cond = inputs(11)
+    with pytest.raises(ValueError, match=r"window_frames=2, sink_frames=0 shape a forward without a cache"):
+        causal(x[:, :, :2], torch.zeros(B), cond, kv_cache=causal.new_cache(), window_frames=2)
+    cache = causal.new_cache(window_frames=2)
+    with torch.no_grad():
+        for k in range(3):
+            causal(x[:, :, 2 * k:2 * k + 2], torch.zeros(B), cond, kv_cache=cache, update_cache=True)
+    assert cache.stored_frames == 2 and cache.evicted_frames == 4 and cache.num_frames == 6
+    with pytest.raises(ValueError, match=r"truncate a cache of 6 frames to 2 \(frames 0..3 were evicted\)"):
+        cache.truncate(2)

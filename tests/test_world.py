@@ -108,3 +108,23 @@ def test_held_out_concepts_filter_the_data():
         ShapesDataset(1, 1, 8, 8, exclude=["colour:mauve"])
     with pytest.raises(ValueError, match="no sample can pass"):
         ShapesDataset(1, 1, 8, 8, exclude=["red"], include=["red"])
+
+
+def test_long_clips_at_the_worlds_pace_continue_the_motion():
+    """``speed=PACE``: a 21-frame clip is the 5-frame world's motion continued — its first 5 frames are the 5-frame
+    clip of the same sample, every 5-frame window of it (frames 4(p-1) .. 4p, what one latent frame adds) reads
+    back all four facts, and the whole clip travels 20 · PACE = 1.25 frames. Without ``speed`` a clip of any length
+    moves SPEED in all (the shipped world, unchanged), so its windows move 4x less. A bad speed names the option."""
+    from posttrain.modules.geneval import read_facts
+    from posttrain.modules.world import PACE, SPEED, parse_caption
+
+    short, long = ShapesDataset(12, 5, 32, 32, seed=4), ShapesDataset(12, 21, 32, 32, seed=4, speed=PACE)
+    stretched = ShapesDataset(12, 21, 32, 32, seed=4)
+    for i in range(12):
+        clip, facts = long[i]["video"], parse_caption(long[i]["prompt"])
+        assert torch.equal(clip[:, :5], short[i]["video"])
+        assert all(read_facts(clip[:, 4 * (p - 1):4 * p + 1]) == facts for p in range(1, 6)), long[i]["prompt"]
+        assert torch.equal(stretched[i]["video"][:, -1], short[i]["video"][:, -1])  # SPEED over the whole clip
+    assert PACE * 20 == 1.25 and SPEED == 4 * PACE
+    with pytest.raises(ValueError, match=r"speed=0.5 must be in \(0, 0.5\).*PACE"):
+        ShapesDataset(1, 21, 8, 8, speed=0.5)
