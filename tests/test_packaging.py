@@ -21,5 +21,8 @@ def test_wheel_has_one_top_level_name(tmp_path):
     for package in ("lit", "modules", "datamodules", "callbacks"):
         assert f"posttrain/{package}/__init__.py" in names
     assert "posttrain/__main__.py" in names
-    assert any(n.startswith("posttrain/modules/assets/") for n in names)  # the shipped tiny world
+    assets = os.path.join(ROOT, "modules", "assets")
+    shipped = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(assets) for f in files}
+    assert shipped and {f"posttrain/{p}" for p in shipped} <= set(names), sorted(  # every shipped world, each level
+        p for p in shipped if f"posttrain/{p}" not in names)
     assert not any(n.startswith("posttrain/tests/") for n in names)
