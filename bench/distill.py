@@ -246,8 +246,8 @@ def students(args, overrides: list[str]) -> None:
     print(f"seeds {args.seeds}: mean [min, max]; 'before' = the teacher's weights at the student's steps = the "
           f"zero-student-lr control\n")
     print("| student steps | time student/teacher [95% CI] (speed-up) | decode / text-encoding share of the student's "
-          "time | GenEval all: before → after | motion: before → after | Fréchet to the teacher: before → after | "
-          "fit (s) |\n|---|---|---|---|---|---|---|")
+          "time | GenEval all: before → after | motion: before → after | Fréchet to the teacher: before → after "
+          "| fit (s) |\n|---|---|---|---|---|---|---|")
     for n, (ratio, decode, text), before, after in rows:
         print(f"| {n} | {ratio.median:.3f} [{ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] (×{1 / ratio.median:.1f}) | "
               f"{decode:.0%} / {text:.0%} | {before['all']:.3f} → {spread([a['all'] for a in after])} | "

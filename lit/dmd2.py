@@ -25,6 +25,7 @@ the sampler), so Self-Forcing is ``configs/self_forcing.yaml``, not a second cla
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Optional
 
@@ -161,8 +162,10 @@ class DMD2(ExpertModule):
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
                     v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond)
-            with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, \
-                    frozen(self.card.models[self.critic]), block_features(self.card.models[self.critic]) as features:
+            critic_model = self.card.models[self.critic]
+            constant = frozen(critic_model) if self.gan else contextlib.nullcontext()
+            with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, constant, \
+                    block_features(critic_model) as features:
                 v_fake = critic(x_t, t, cond).float()
                 gan_loss = gan_generator_loss(self.gan_head(features[-1])) if self.gan else torch.zeros(len(prompts))
             x_t = x_t.detach()

@@ -466,8 +466,8 @@ def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     prompts come closer to the teacher's samples of the same prompts and noise — Fréchet VAE distance and latent MSE
     fall, synthetic GenEval rises — than at the start, where the student is the teacher's weights run with the same 4
     steps (bench/distill.py --students measures the shipped settings on held-out prompts, 3 seeds)."""
-    _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 100, "--model.init_args.generator_update_ratio",
-                                          "5", "--model.init_args.gan_generator_weight", "0",
-                                          "--model.init_args.gan_critic_weight", "0")
+    anchor = ["--model.init_args.generator_update_ratio", "5", "--model.init_args.gan_generator_weight", "0",
+              "--model.init_args.gan_critic_weight", "0"]
+    _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 100, *anchor)
     assert after["frechet"] < before["frechet"] and after["latent_mse"] < before["latent_mse"], (before, after)
     assert after["all"] > before["all"], (before, after)
