@@ -245,11 +245,12 @@ def students(args, overrides: list[str]) -> None:
           f"{module.teacher_sampler.guidance_scale}: GenEval all {target['all']:.3f}, motion {target['motion']:.3f}")
     print(f"seeds {args.seeds}: mean [min, max]; 'before' = the teacher's weights at the student's steps = the "
           f"zero-student-lr control\n")
-    print("| student steps | time student/teacher [95% CI] (speed-up) | decode / text-encoding share of the student's "
+    print("| student steps | time student/teacher [CI of the median] (speed-up) | decode / text-encoding share of the student's "
           "time | GenEval all: before → after | motion: before → after | Fréchet to the teacher: before → after "
           "| fit (s) |\n|---|---|---|---|---|---|---|")
     for n, (ratio, decode, text), before, after in rows:
-        print(f"| {n} | {ratio.median:.3f} [{ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] (×{1 / ratio.median:.1f}) | "
+        print(f"| {n} | {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
+              f"(×{1 / ratio.median:.1f}) | "
               f"{decode:.0%} / {text:.0%} | {before['all']:.3f} → {spread([a['all'] for a in after])} | "
               f"{before['motion']:.3f} → {spread([a['motion'] for a in after])} | {before['frechet']:.3f} → "
               f"{spread([a['frechet'] for a in after])} | {spread([a['fit_s'] for a in after], 0)} |")
