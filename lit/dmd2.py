@@ -1,14 +1,18 @@
 """DMD2: distribution-matching distillation of a many-step teacher into a few-step student, and Self-Forcing.
 
 Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis" (reference code
-``tianweiy/DMD2``; for flow-matching Wan, Self-Forcing's ``model/dmd.py``). The student samples in a few steps
-(``sampler.step_sigmas``, the re-noise step) and stops at a random exit step, whose x̂0 alone carries
-gradient (backward simulation). Its sample is noised at a random σ and scored twice: by the frozen teacher
+``tianweiy/DMD2``; for flow-matching Wan, Self-Forcing's ``model/dmd.py``). The student samples in
+``student_steps`` steps (the re-noise step) and stops at a random exit step, whose x̂0 alone carries gradient; the
+steps before it are its own rollout from noise (backward simulation; ``backward_simulation: false`` feeds the exit
+step a noised teacher sample instead). Its sample is noised at a random σ and scored twice: by the frozen teacher
 with CFG (the real score) and by a critic (the fake score, no CFG) that keeps learning the student's own
 distribution by flow matching on its detached samples. The student moves along ``fake - real``,
 normalized per sample. The critic steps every iteration; the student only on every
 ``generator_update_ratio``-th, and on the others its loss is not computed at all (this is DMD2's
-two-time-scale update, not gradient accumulation). Math: METHODS.md (dmd2), ``modules/losses.py``.
+two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
+on the critic's last-block features (``modules/gan.py``) learns teacher samples (real) from the student's (fake),
+both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
+critic and head (``gan_generator_weight``). Math: METHODS.md (dmd2), ``modules/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
 Diffusion", reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; METHODS.md
