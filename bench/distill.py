@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from unittest import mock
 
 import torch
@@ -41,13 +42,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @torch.no_grad()
-def samples(module, prompts: list[str], sampler, name: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(latents, videos) of expert ``name`` with ``sampler`` (its CFG included), batch ``i`` from seed ``i``:
-    the noise ``module.generate`` draws."""
+def samples(module, prompts: list[str], sampler, name: str, batch: int, first_seed: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latents, videos) of expert ``name`` with ``sampler`` (its CFG included), batch ``i`` from seed
+    ``first_seed + i``: the noise ``module.generate`` draws."""
     latents = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
-        g = torch.Generator().manual_seed(i // batch)
+        g = torch.Generator().manual_seed(first_seed + i // batch)
         noise = torch.randn((len(chunk), *module.stage.latent_shape(module.video)), generator=g)
         cond, uncond = module.conditioning(chunk, sampler)
         latents.append(module.stage.sample(sampler, noise, cond, uncond, name=name, rng=g).latents)
@@ -134,18 +136,19 @@ def measure_chunks(module, prompts: list[str], teacher: tuple[torch.Tensor, torc
     return scores, videos
 
 
-def spread(values: list[float]) -> str:
-    """mean [min, max] of one figure over seeds (just the value for one)."""
+def spread(values: list[float], digits: int = 3) -> str:
+    """mean [min, max] of the seeds (the value alone for one seed)."""
+    mean = sum(values) / len(values)
     if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{sum(values) / len(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
 
 def chunk_tables(runs: dict[str, list[dict]], target: dict, teacher_windows: list[dict]) -> str:
     """Markdown tables of ``runs`` (row name -> one scores dict per seed): the clip, per window position, past the
     clip per block of positions."""
     def cell(seeds, get):
-        return " / ".join(spread([get(s)[k] for s in seeds]) for k in ("all", "motion", "frechet"))
+        return " / ".join(spread([get(s)[k] for s in seeds], 2) for k in ("all", "motion", "frechet"))
 
     some = next(iter(runs.values()))[0]
     lines = ["| samples | clip: Fréchet / latent MSE / GenEval all / motion |" +
@@ -154,7 +157,7 @@ def chunk_tables(runs: dict[str, list[dict]], target: dict, teacher_windows: lis
     lines.append(f"| teacher, 20 steps CFG | 0 / 0 / {target['all']:.2f} / {target['motion']:.2f} |" +
                  "".join(f" {w['all']:.2f} / {w['motion']:.2f} / {w['frechet']:.2f} |" for w in teacher_windows))
     for name, seeds in runs.items():
-        clip = " / ".join(spread([s["clip"][k] for s in seeds]) for k in ("frechet", "latent_mse", "all", "motion"))
+        clip = " / ".join(spread([s["clip"][k] for s in seeds], 2) for k in ("frechet", "latent_mse", "all", "motion"))
         lines.append(f"| {name} | {clip} |" + "".join(
             f" {cell(seeds, lambda s, p=p: s['windows'][p])} |" for p in range(len(some["windows"]))))
     blocks = len(some["plain"])
@@ -224,14 +227,14 @@ def self_forcing_bench(args) -> None:
 
         # 3. fit from each seed; the zero-lr control
         after, steps = [], None
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             trained = fitted(build(seed))
             steps = trained.trainer.global_step
             scores, videos = measure_chunks(trained, prompts, teacher, args.batch, args.lengths)
             after.append(scores)
             sheet = videos if seed == 0 else sheet
             print(f"seed {seed}: clip {scores['clip']}", flush=True)
-        runs[f"student after {steps} iterations ({args.seeds} seeds: mean [min, max])"] = after
+        runs[f"student after {steps} iterations ({len(args.seeds)} seeds: mean [min, max])"] = after
         if args.control:
             control = fitted(build(0, "--model.init_args.card.experts.transformer.optimizer.init_args.lr", "0.0"))
             runs["control: student lr 0 (seed 0)"] = [measure_chunks(control, prompts, teacher, args.batch,
@@ -266,24 +269,34 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=5, help="timing blocks")
     parser.add_argument("--grid", default=None, help="write a PNG of the first 4 prompts' samples (every row) here")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="with --students: a fit per seed (default 0); with --per-chunk: (default 0 1 2)")
+    parser.add_argument("--students", type=int, nargs="+", default=None,
+                        help="DMD2: train one student per step count (e.g. 1 2 4) and report a row each, on held-out "
+                             "prompts and noise (students())")
     parser.add_argument("--per-chunk", action="store_true", help="Self-Forcing: scores per window position and past "
                         "the clip (plain and rolling KV cache), over --seeds fits (self_forcing_bench)")
-    parser.add_argument("--seeds", type=int, default=3, help="with --per-chunk: fits from seeds 0 .. N-1")
     parser.add_argument("--control", action="store_true", help="with --per-chunk: also a zero student lr fit")
     parser.add_argument("--lengths", type=int, default=3, help="with --per-chunk: generate this many clip lengths")
     parser.add_argument("--json", default=None, help="with --per-chunk: write every score here")
     parser.add_argument("--chunk-frames", type=int, default=None, help="with --per-chunk: the student's chunk "
                         "(latent frames; default: the config's sampler.chunk_frames)")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # the rest goes to the CLI, e.g. --model.init_args.gan_critic_weight 0
     if args.per_chunk:
+        if overrides:
+            parser.error(f"--per-chunk takes no CLI overrides (got {overrides}); edit a copy of --config instead")
+        args.seeds = args.seeds or [0, 1, 2]
         return self_forcing_bench(args)
+    args.seeds = args.seeds or [0]
+    if args.students:
+        return students(args, overrides)
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sys, "argv", sys.argv[:1]):
         extra = ["--trainer.default_root_dir", tmp, "--trainer.logger", "false", "--trainer.enable_checkpointing",
                  "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0"]
         if args.steps is not None:
             extra += ["--trainer.max_steps", str(args.steps)]
-        cli = PosttrainCLI(args=["--config", args.config, *extra], run=False)
+        cli = PosttrainCLI(args=["--config", args.config, *extra, *overrides], run=False)
         module = cli.model
         module.configure_model()
         module.eval()
@@ -341,6 +354,110 @@ def main() -> None:
             rows.append((f"{prompts[i][:60]}: teacher, {teacher_sampler.num_steps} steps, CFG", teacher[1][i]))
             rows += [(labels[k], sets[k][1][i]) for k in shown]
         grid(rows, scale=4).save(args.grid)
+        print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
+
+
+# ------------------------------------------------------------------------------------------- DMD2 students
+HELD_OUT_SEED = 1000  # the evaluation's noise seeds start here; training draws from the module's own streams
+
+
+def held_out_prompts(cli, n: int) -> list[str]:
+    """``n`` seen-concept captions the training prompts never name (``exclude_captions``): a held-out evaluation."""
+    train = cli.datamodule.prompt_list()
+    data = ShapesDataset(n, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE, exclude_captions=sorted(set(train)))
+    return [data[i]["prompt"] for i in range(n)]
+
+
+def shares(module, prompts: list[str], sampler, blocks: int) -> tuple[float, float]:
+    """(decode, text encoding) time of one served batch as shares of the whole (encode with an emptied cache,
+    sample, decode), each median of ``blocks`` interleaved pairs."""
+    cond_name = module.stage.encoders[0]
+
+    def encode():
+        module.card.cache.invalidate(cond_name)
+        return module.conditioning(prompts, sampler)
+
+    def whole():
+        encode()
+        return samples(module, prompts, sampler, "transformer", len(prompts))
+
+    latents = samples(module, prompts, sampler, "transformer", len(prompts))[0]
+    decode = compare(interleave(whole, lambda: module.stage.decode(latents), blocks=blocks, per_block=1,
+                                names=("whole", "decode")), per="batch")
+    text = compare(interleave(whole, encode, blocks=blocks, per_block=1, names=("whole", "encode")), per="batch")
+    return decode.ratios["wall"].median, text.ratios["wall"].median
+
+
+def students(args, overrides: list[str]) -> None:
+    """One DMD2 student per ``--students`` step count, ``--seeds`` fits each, on held-out prompts and noise: its
+    sampling time against the teacher's (interleaved, decode included; the shares of decoding and of text encoding),
+    then GenEval, motion and Fréchet distance to the teacher's samples before (the teacher's weights at the student's
+    steps, which is also the zero-student-lr control: lr 0 leaves the student bitwise, tests/test_dmd2.py) and after
+    ``fit``."""
+    rows, sheet, teacher, target, prompts = [], [], None, None, None
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sys, "argv", sys.argv[:1]):
+        for n in args.students:
+            after, before, timing = [], None, None
+            for seed in args.seeds:
+                extra = ["--trainer.default_root_dir", os.path.join(tmp, f"{n}-{seed}"), "--trainer.logger", "false",
+                         "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+                         "--trainer.limit_val_batches", "0", "--model.init_args.student_steps", str(n),
+                         "--seed_everything", str(seed), "--model.init_args.run.seed", str(seed)]
+                if args.steps is not None:
+                    extra += ["--trainer.max_steps", str(args.steps)]
+                cli = PosttrainCLI(args=["--config", args.config, *extra, *overrides], run=False)
+                module = cli.model
+                module.configure_model()
+                module.eval()
+                if teacher is None:  # the same frozen teacher in every fit: its samples once
+                    prompts = held_out_prompts(cli, args.prompts)
+                    teacher = samples(module, prompts, module.teacher_sampler, "teacher", args.batch, HELD_OUT_SEED)
+                    geneval = SyntheticGenEval()
+                    geneval.update(teacher[1], prompts)
+                    target = {k: float(v) for k, v in geneval.compute().items()}
+                if timing is None:
+                    one = prompts[:args.batch]
+                    blocks = interleave(lambda: samples(module, one, module.teacher_sampler, "teacher", args.batch),
+                                        lambda: samples(module, one, module.sampler, "transformer", args.batch),
+                                        blocks=args.blocks, per_block=1, names=("teacher", "student"))
+                    ratio = compare(blocks, per="batch", ratio_name=f"time {n}-step student/teacher")
+                    print(ratio.report(), flush=True)
+                    timing = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks))
+                    start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
+                    before = closeness(prompts, teacher, start)
+                module.train()
+                started = time.perf_counter()
+                cli.trainer.fit(module, datamodule=cli.datamodule)
+                fit_s = time.perf_counter() - started
+                module.eval()
+                done = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
+                after.append({**closeness(prompts, teacher, done), "fit_s": fit_s})
+                print(f"{n} steps, seed {seed}: {after[-1]}", flush=True)
+                if seed == args.seeds[0]:
+                    sheet.append((n, start[1], done[1], cli.trainer.global_step))
+            rows.append((n, timing, before, after))
+    print(f"\n{len(prompts)} held-out prompts (captions the training prompts never name, seen concepts), noise seeds "
+          f"from {HELD_OUT_SEED}; target: the teacher, {module.teacher_sampler.num_steps} steps, CFG "
+          f"{module.teacher_sampler.guidance_scale}: GenEval all {target['all']:.3f}, motion {target['motion']:.3f}")
+    print(f"seeds {args.seeds}: mean [min, max]; 'before' = the teacher's weights at the student's steps = the "
+          f"zero-student-lr control\n")
+    print("| student steps | time student/teacher [CI of the median] (speed-up) | decode / text-encoding share of the student's "
+          "time | GenEval all: before → after | motion: before → after | Fréchet to the teacher: before → after "
+          "| fit (s) |\n|---|---|---|---|---|---|---|")
+    for n, (ratio, decode, text), before, after in rows:
+        print(f"| {n} | {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
+              f"(×{1 / ratio.median:.1f}) | "
+              f"{decode:.0%} / {text:.0%} | {before['all']:.3f} → {spread([a['all'] for a in after])} | "
+              f"{before['motion']:.3f} → {spread([a['motion'] for a in after])} | {before['frechet']:.3f} → "
+              f"{spread([a['frechet'] for a in after])} | {spread([a['fit_s'] for a in after], 0)} |")
+    if args.grid:
+        shown = []
+        for i in range(min(4, len(prompts))):
+            shown.append((f"{prompts[i][:60]}: teacher, {module.teacher_sampler.num_steps} steps, CFG", teacher[1][i]))
+            for n, start, done, steps in sheet:
+                shown += [(f"{n}-step student before", start[i]), (f"{n}-step student after {steps} iterations",
+                                                                   done[i])]
+        grid(shown, scale=4).save(args.grid)
         print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
 
 

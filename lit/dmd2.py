@@ -1,14 +1,18 @@
 """DMD2: distribution-matching distillation of a many-step teacher into a few-step student, and Self-Forcing.
 
 Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis" (reference code
-``tianweiy/DMD2``; for flow-matching Wan, Self-Forcing's ``model/dmd.py``). The student samples in a few steps
-(``sampler.step_sigmas``, the re-noise step) and stops at a random exit step, whose x̂0 alone carries
-gradient (backward simulation). Its sample is noised at a random σ and scored twice: by the frozen teacher
+``tianweiy/DMD2``; for flow-matching Wan, Self-Forcing's ``model/dmd.py``). The student samples in
+``student_steps`` steps (the re-noise step) and stops at a random exit step, whose x̂0 alone carries gradient; the
+steps before it are its own rollout from noise (backward simulation; ``backward_simulation: false`` feeds the exit
+step a noised teacher sample instead). Its sample is noised at a random σ and scored twice: by the frozen teacher
 with CFG (the real score) and by a critic (the fake score, no CFG) that keeps learning the student's own
 distribution by flow matching on its detached samples. The student moves along ``fake - real``,
 normalized per sample. The critic steps every iteration; the student only on every
 ``generator_update_ratio``-th, and on the others its loss is not computed at all (this is DMD2's
-two-time-scale update, not gradient accumulation). Math: METHODS.md (dmd2), ``modules/losses.py``.
+two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
+on the critic's last-block features (``modules/gan.py``) learns teacher samples (real) from the student's (fake),
+both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
+critic and head (``gan_generator_weight``). Math: METHODS.md (dmd2), ``modules/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
 Diffusion", reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; METHODS.md
@@ -25,13 +29,19 @@ the sampler), so Self-Forcing is ``configs/self_forcing.yaml``, not a second cla
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from typing import Optional
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
-from posttrain.modules.losses import dmd_generator_loss, flow_matching_loss, noised, sample_sigmas, x0_from_velocity
+from posttrain.modules.conditioning import Conditioning
+from posttrain.modules.gan import HEAD, attach_head, block_features, frozen
+from posttrain.modules.losses import (dmd_generator_loss, flow_matching_loss, gan_critic_loss, gan_generator_loss,
+                                      noised, sample_sigmas, x0_from_velocity)
 from posttrain.modules.samplers import FlowMatchSampler
 
 TEACHER_CFG = 4.5  # DMD2's anchor guidance of the real score: the default teacher sampler's
@@ -42,25 +52,49 @@ class DMD2(ExpertModule):
         card: needs ``transformer`` (the student, trainable; block-causal for Self-Forcing), ``critic`` (the fake
             score, trainable), ``teacher`` (frozen, its own source), ``text_encoder`` and ``vae``; student and
             critic usually start from the teacher (``init_from: teacher``).
-        sampler: the student's few-step sampler (``step_sigmas``, ``stochastic_sampling`` scheduler; with
-            ``chunk_frames``, chunk by chunk: Self-Forcing); it rolls out in training and serves ``predict`` and
-            sample videos.
+        sampler: the student's sampler (its scheduler, e.g. ``stochastic_sampling``; with ``chunk_frames``, chunk
+            by chunk: Self-Forcing); it rolls out in training and serves ``predict`` and sample videos. Its steps
+            are ``student_steps``'; None = the re-noising Euler scheduler with shift 3.
+        student_steps: n, the student's sampling steps; its step list is σ ∈ {1, (n-1)/n, …, 1/n} before the
+            scheduler's flow shift (4: {1, .75, .5, .25}, DMD2's and Self-Forcing's; 2: {1, .5}; 1: {1}). A
+            sampler that lists ``step_sigmas`` itself must list n of them.
+        backward_simulation: the input of the student's exit step k is its own rollout from noise through steps
+            0…k-1 (DMD2's backward simulation, as it serves); False = a teacher sample noised to σ_k (DMD2
+            without it: the student then trains on inputs it never meets when it serves).
         teacher_sampler: the teacher's: its CFG scale guides the real score (the critic has none), and its many
-            steps make the target ``validation_step`` compares with; None = ``FlowMatchSampler`` with
-            ``TEACHER_CFG``.
+            steps make the target ``validation_step`` compares with and the GAN's real samples; None =
+            ``FlowMatchSampler`` with ``TEACHER_CFG``.
         generator_update_ratio: N; the student steps on iterations 0, N, 2N, … (anchor 5).
-        sigma_range: the σ at which both scores are taken and the critic trains, drawn uniformly from this
-            range (anchor 0.02–0.98), then flow-shifted by ``shift``.
+        sigma_range: the σ at which both scores are taken and the critic (and the GAN head) trains, drawn
+            uniformly from this range (anchor 0.02–0.98), then flow-shifted by ``shift``.
         shift: flow shift of those σ.
+        gan_generator_weight: weight of the student's non-saturating GAN loss through the critic's head (DMD2's
+            ``gen_cls_loss_weight``, anchor 3e-3 to 5e-3); 0 with ``gan_critic_weight`` 0 = no GAN term.
+        gan_critic_weight: weight of the head's real-vs-fake loss in the critic's update (DMD2's
+            ``guidance_cls_loss_weight``, anchor 1e-2); real = teacher samples of the batch's prompts, fake = the
+            student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
         run: size of generated videos, seed, NaN tolerance.
     """
 
-    def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
-                 teacher_sampler: Optional[FlowMatchSampler] = None, generator_update_ratio: int = 5,
-                 sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0, run: Optional[RunArgs] = None):
+    def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, student_steps: int = 4,
+                 backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
+                 generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
+                 gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, run: Optional[RunArgs] = None):
+        problems = []
+        sampler = sampler or FlowMatchSampler(
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
+        if student_steps < 1:
+            problems.append(f"student_steps={student_steps} must be >= 1 (the student's sampling steps, e.g. 1, 2 "
+                            f"or 4)")
+        elif sampler.step_sigmas is not None and len(sampler.step_sigmas) != student_steps:
+            problems.append(f"student_steps={student_steps} but sampler.step_sigmas={sampler.step_sigmas} lists "
+                            f"{len(sampler.step_sigmas)} steps: drop sampler.step_sigmas (the steps follow "
+                            f"student_steps) or make them agree")
+        elif sampler.step_sigmas is None:
+            sampler = student_sampler(sampler, student_steps)
         super().__init__(card, sampler, run)
         self.student, self.critic, self.teacher = self.stage.transformer, "critic", "teacher"
-        problems = self.card_problems("dmd2", trains=(self.student,))
+        problems += self.card_problems("dmd2", trains=(self.student,))
         problems += self.stage.peer_problems(self.critic, "the fake score", trainable=True,
                                              hint="; add a trainable `critic` expert, e.g. `init_from: teacher`")
         problems += self.stage.peer_problems(self.teacher, "the real score", trainable=False,
@@ -72,11 +106,33 @@ class DMD2(ExpertModule):
         low, high = sigma_range
         if not 0.0 < low < high <= 1.0:
             problems.append(f"sigma_range={tuple(sigma_range)} must satisfy 0 < low < high <= 1 (anchor (0.02, 0.98))")
+        if not backward_simulation and sampler.chunk_frames is not None:
+            problems.append(f"backward_simulation=False feeds the student's exit step a noised teacher sample, but "
+                            f"sampler.chunk_frames={sampler.chunk_frames} rolls it out chunk by chunk through its "
+                            f"own KV cache (Self-Forcing): keep backward_simulation: true")
+        if gan_generator_weight < 0 or gan_critic_weight < 0:
+            problems.append(f"gan_generator_weight={gan_generator_weight} and gan_critic_weight={gan_critic_weight} "
+                            f"must be >= 0 (DMD2 anchors 3e-3 and 1e-2; both 0 = no GAN term)")
+        elif gan_generator_weight > 0 and gan_critic_weight == 0:
+            problems.append(f"gan_generator_weight={gan_generator_weight} needs gan_critic_weight > 0: the head the "
+                            f"student is scored by never learns otherwise (DMD2 anchor 1e-2)")
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
+        self.backward_simulation = backward_simulation
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
+        self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
+        self._teacher_bank: dict[str, torch.Tensor] = {}  # prompt -> one teacher sample (C, F, h, w), see below
+
+    @property
+    def gan(self) -> bool:
+        return self.gan_critic_weight > 0
+
+    def setup_roles(self) -> None:
+        super().setup_roles()
+        if self.gan:  # the head is part of the critic: its optimizer, checkpoint entry and versions
+            attach_head(self.card.models[self.critic], seed=self.run.seed)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = list(batch["prompt"])
@@ -86,40 +142,75 @@ class DMD2(ExpertModule):
         cond = self.stage.condition(prompts, self.device)
         uncond = self.stage.condition([""] * len(prompts), self.device)
 
-        # 2. the student's few-step sample x̂0 (chunk by chunk for a block-causal student), stopped at a random exit
-        #    step (the same on every process); only the exit step has grad, and only when the student updates
+        # 2. the student's few-step sample x̂0, stopped at a random exit step k (the same on every process); only
+        #    step k has grad, and only when the student updates. Step k's input: with backward simulation the
+        #    student's own rollout from noise (chunk by chunk for a block-causal student), as it serves; without,
+        #    a teacher sample noised to σ_k
         noise = torch.randn((len(prompts), *self.stage.latent_shape(self.video)), generator=self.generator)
         exit_step = int(torch.randint(self.sampler.num_steps, (1,), generator=self.shared_generator))
         with torch.set_grad_enabled(update_student):
-            x0 = self.stage.sample(self.sampler, noise.to(self.device), cond, uncond, name=self.student,
-                                   exit_step=exit_step, rng=self.generator).latents
+            if self.backward_simulation or exit_step == 0:
+                x0 = self.stage.sample(self.sampler, noise.to(self.device), cond, uncond, name=self.student,
+                                       exit_step=exit_step, rng=self.generator).latents
+            else:
+                x0 = self.student_x0_from(self.teacher_samples(prompts), noise.to(self.device), exit_step, cond)
 
         # 3. student, every N-th iteration: DMD gradient (fake - real) / mean|x̂0 - real| at a random σ;
-        #    teacher (its sampler's CFG) and critic run without grad, the loss reaches the student only
+        #    teacher (its sampler's CFG) and critic run without grad, the loss reaches the student only. With the
+        #    GAN term the critic runs as a constant with grad to its input, and its head scores x̂0: softplus(-logit)
         if update_student:
             sigma = self.score_sigmas(len(prompts))
-            x_t = noised(x0.detach(), torch.randn(x0.shape, generator=self.generator).to(x0), sigma)
+            eps = torch.randn(x0.shape, generator=self.generator).to(x0)
+            x_t = noised(x0 if self.gan else x0.detach(), eps, sigma)
             t = self.sampler.timestep_of(sigma)
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
-                    v_real = self.teacher_sampler.velocity(teacher, x_t, t, cond, uncond)
-                with self.stage.velocity(self.critic) as critic:
-                    v_fake = critic(x_t, t, cond).float()
+                    v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond)
+            critic_model = self.card.models[self.critic]
+            constant = frozen(critic_model) if self.gan else contextlib.nullcontext()
+            with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, constant, \
+                    block_features(critic_model) as features:
+                v_fake = critic(x_t, t, cond).float()
+                gan_loss = gan_generator_loss(self.gan_head(features[-1])) if self.gan else torch.zeros(len(prompts))
+            x_t = x_t.detach()
             per_sample, metrics = dmd_generator_loss(x0, x0_from_velocity(x_t, v_real, sigma),
-                                                     x0_from_velocity(x_t, v_fake, sigma))
-            self.step_experts(per_sample.mean(), [self.student])
-            self.log(f"train/loss/{self.student}", per_sample.mean().detach(), on_step=True)
+                                                     x0_from_velocity(x_t, v_fake.detach(), sigma))
+            loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
+            self.step_experts(loss, [self.student])
+            self.log(f"train/loss/{self.student}", loss.detach(), on_step=True)
             for key, value in metrics.items():
                 self.log(f"train/{key}/{self.student}", value, on_step=True)
+            if self.gan:
+                self.log(f"train/gan_loss/{self.student}", gan_loss.detach().mean(), on_step=True)
 
-        # 4. critic, every iteration: flow matching on the student's detached samples, target ε - sg(x̂0)
+        # 4. critic, every iteration: flow matching on the student's detached samples, target ε - sg(x̂0); with the
+        #    GAN term, its head learns teacher samples (real) from the student's (fake), both noised at a fresh σ
         sample = x0.detach()
         sigma = self.score_sigmas(len(prompts))
         eps = torch.randn(sample.shape, generator=self.generator).to(sample)
         with self.stage.velocity(self.critic) as critic:
             v = critic(noised(sample, eps, sigma), self.sampler.timestep_of(sigma), cond)
         critic_loss = flow_matching_loss(v, sample, eps)[0].mean()
-        self.step_experts(critic_loss, [self.critic])
+        losses = [lambda: critic_loss]
+        if self.gan:
+            real = self.teacher_samples(prompts)
+            sigma = self.score_sigmas(2 * len(prompts))
+            eps = torch.randn((2 * len(prompts), *sample.shape[1:]), generator=self.generator).to(sample)
+
+            def gan_critic_part() -> torch.Tensor:  # its own forward: the flow-matching graph never reaches the head
+                with self.stage.velocity(self.critic) as critic, \
+                        block_features(self.card.models[self.critic]) as features:
+                    critic(noised(torch.cat([real, sample]), eps, sigma), self.sampler.timestep_of(sigma),
+                           Conditioning.cat([cond, cond]))
+                real_logits, fake_logits = self.gan_head(features[-1]).chunk(2)
+                per_sample, gan_metrics = gan_critic_loss(real_logits, fake_logits)
+                self.log(f"train/gan_loss/{self.critic}", per_sample.detach().mean(), on_step=True)
+                for key, value in gan_metrics.items():
+                    self.log(f"train/{key}/{self.critic}", value, on_step=True)
+                return self.gan_critic_weight * per_sample.mean()
+
+            losses.append(gan_critic_part)
+        self.step_experts(losses, [self.critic])
 
         # 5. log
         self.log(f"train/loss/{self.critic}", critic_loss.detach(), prog_bar=True, on_step=True)
@@ -143,3 +234,39 @@ class DMD2(ExpertModule):
         """(B,) σ ~ U[sigma_range], flow-shifted: where the scores are compared and the critic trains."""
         low, high = self.sigma_range
         return sample_sigmas(batch_size, "uniform", self.generator, self.shift, low=low, high=high).to(self.device)
+
+    @property
+    def gan_head(self) -> torch.nn.Module:
+        return getattr(self.card.models[self.critic], HEAD)
+
+    def student_x0_from(self, clean: torch.Tensor, noise: torch.Tensor, step: int, cond) -> torch.Tensor:
+        """x̂0 of the student's step ``step`` run on ``clean`` noised to that step's σ (with the caller's grad)."""
+        schedule = self.stage.schedule(self.sampler, tuple(noise.shape[1:]), noise.device)
+        sigma = schedule.sigmas[step].expand(len(noise))
+        x = noised(clean, noise, sigma)
+        with self.stage.velocity(self.student) as student:
+            v = self.sampler.velocity(student, x, schedule.timesteps[step], cond)
+        return x0_from_velocity(x, v, sigma)
+
+    @torch.no_grad()
+    def teacher_samples(self, prompts: list[str]) -> torch.Tensor:
+        """(B, C, F, h, w) one teacher sample (its sampler: many steps, CFG) per prompt: the GAN's real samples and,
+        without backward simulation, the student's inputs. Drawn once per prompt, one prompt at a time, from noise
+        seeded by the prompt's text and ``run.seed`` (its own stream: the run's noise is not drawn from), so the
+        same prompt always has the same sample and a resumed run recomputes exactly what it had."""
+        for prompt in dict.fromkeys(prompts):
+            if prompt not in self._teacher_bank:
+                digest = int(hashlib.sha256(prompt.encode()).hexdigest()[:12], 16)
+                rng = torch.Generator().manual_seed(self.run.seed * 1_000_003 + digest)
+                noise = torch.randn((1, *self.stage.latent_shape(self.video)), generator=rng).to(self.device)
+                cond, uncond = self.conditioning([prompt], self.teacher_sampler)
+                self._teacher_bank[prompt] = self.stage.sample(self.teacher_sampler, noise, cond, uncond,
+                                                               name=self.teacher, rng=rng).latents[0]
+        return torch.stack([self._teacher_bank[p] for p in prompts])
+
+
+def student_sampler(sampler: FlowMatchSampler, steps: int) -> FlowMatchSampler:
+    """``sampler`` with the student's ``steps``-step list σ = 1, (n-1)/n, …, 1/n (before the flow shift)."""
+    return FlowMatchSampler(num_steps=steps, scheduler=sampler.scheduler, guidance_scale=sampler.guidance_scale,
+                            noise_level=sampler.noise_level, sde_window=sampler.sde_window,
+                            step_sigmas=[1.0 - i / steps for i in range(steps)], chunk_frames=sampler.chunk_frames)

@@ -157,3 +157,21 @@ def dmd_generator_loss(x0: torch.Tensor, real_x0_cond: torch.Tensor, fake_x0: to
     per_sample = 0.5 * (x0.double() - target).pow(2).mean(dim=dims)
     metrics = {"dmd_grad_abs": grad.abs().mean().float(), "dmd_normalizer": normalizer.mean().float()}
     return per_sample.float(), metrics
+
+
+def gan_critic_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Per-sample DMD2 GAN loss of the critic's classifier (Yin et al. 2024, §4.2; reference ``sd_guidance.py``,
+    ``compute_guidance_clean_cls_loss``): ``softplus(fake) + softplus(-real)``, the logistic loss of telling real
+    (teacher) samples, logit → +∞, from fake (student) ones, logit → -∞. Logits (B,) each, row i of one against
+    row i of the other. At logits 0 both terms are log 2. Metrics: mean sigmoid of each (the head's accuracy
+    proxy: real → 1, fake → 0)."""
+    per_sample = torch.nn.functional.softplus(fake_logits.float()) + torch.nn.functional.softplus(-real_logits.float())
+    metrics = {"gan_real_prob": torch.sigmoid(real_logits.detach()).mean(),
+               "gan_fake_prob": torch.sigmoid(fake_logits.detach()).mean()}
+    return per_sample, metrics
+
+
+def gan_generator_loss(fake_logits: torch.Tensor) -> torch.Tensor:
+    """Per-sample non-saturating generator loss ``softplus(-fake)`` = -log sigmoid(fake) (Goodfellow et al. 2014;
+    DMD2 ``compute_generator_clean_cls_loss``), (B,) logits of the student's samples by the frozen critic's head."""
+    return torch.nn.functional.softplus(-fake_logits.float())

@@ -256,6 +256,15 @@ def test_optimizer_bench_runs():
     assert "fused/default" in out and "largest difference" in out
 
 
+def test_distill_bench_students_rows(tmp_path):
+    """``--students``: a row per student step count on held-out prompts, and the sheet."""
+    sheet = tmp_path / "students.png"
+    out = run_bench("bench/distill.py", "--students", "1", "2", "--steps", "1", "--prompts", "4", "--batch", "4",
+                    "--blocks", "1", "--grid", str(sheet))
+    assert "held-out prompts" in out and out.count("| 1 | ") == 1 and out.count("| 2 | ") == 1
+    assert sheet.is_file()
+
+
 def test_reward_server_bench_runs():
     out = run_bench("bench/reward_server.py", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
                     "--per-block", "1", "--iterations", "1")
