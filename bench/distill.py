@@ -136,6 +136,20 @@ def measure_chunks(module, prompts: list[str], teacher: tuple[torch.Tensor, torc
     return scores, videos
 
 
+def time_sampling(module, prompts: list[str], blocks: int, note: str = "", name: str = "time student/teacher"):
+    """One batch sampled by the teacher (its steps, CFG) and by the student, in alternating blocks (``timing.py``),
+    VAE decoding included; prints and returns the comparison."""
+    teacher, student = module.teacher_sampler, module.sampler
+    timed = interleave(lambda: samples(module, prompts, teacher, "teacher", len(prompts)),
+                       lambda: samples(module, prompts, student, "transformer", len(prompts)),
+                       blocks=blocks, per_block=1, names=("teacher", "student"))
+    print(f"sampling {len(prompts)} videos of {module.video}: teacher {teacher.num_steps} steps with CFG "
+          f"{teacher.guidance_scale} vs student {student.num_steps} steps{note}")
+    comparison = compare(timed, per="batch", ratio_name=name)
+    print(comparison.report(), flush=True)
+    return comparison
+
+
 def spread(values: list[float], digits: int = 3) -> str:
     """mean [min, max] of the seeds (the value alone for one seed)."""
     mean = sum(values) / len(values)
@@ -205,14 +219,8 @@ def self_forcing_bench(args) -> None:
         prompts = [data[i]["prompt"] for i in range(len(data))]
 
         # 1. sampling time of one batch, student against teacher, interleaved
-        one = prompts[:args.batch]
-        blocks = interleave(lambda: samples(module, one, teacher_sampler, "teacher", args.batch),
-                            lambda: samples(module, one, student_sampler, "transformer", args.batch),
-                            blocks=args.blocks, per_block=1, names=("teacher", "student"))
-        print(f"sampling {len(one)} videos of {module.video}: teacher {teacher_sampler.num_steps} steps with CFG "
-              f"{teacher_sampler.guidance_scale} vs student {student_sampler.num_steps} steps, chunks of "
-              f"{student_sampler.chunk_frames} latent frame(s)")
-        print(compare(blocks, per="batch", ratio_name="time student/teacher").report(), flush=True)
+        time_sampling(module, prompts[:args.batch], args.blocks,
+                      f", chunks of {student_sampler.chunk_frames} latent frame(s)")
 
         # 2. the teacher's samples (the reference) and its own scores; the student before training
         teacher = samples(module, prompts, teacher_sampler, "teacher", args.batch)
@@ -305,13 +313,7 @@ def main() -> None:
         prompts = [data[i]["prompt"] for i in range(len(data))]
 
         # 1. sampling time of one batch
-        one = prompts[:args.batch]
-        blocks = interleave(lambda: samples(module, one, teacher_sampler, "teacher", args.batch),
-                            lambda: samples(module, one, student_sampler, "transformer", args.batch),
-                            blocks=args.blocks, per_block=1, names=("teacher", "student"))
-        print(f"sampling {len(one)} videos of {module.video}: teacher {teacher_sampler.num_steps} steps with CFG "
-              f"{teacher_sampler.guidance_scale} vs student {student_sampler.num_steps} steps")
-        print(compare(blocks, per="batch", ratio_name="time student/teacher").report(), flush=True)
+        time_sampling(module, prompts[:args.batch], args.blocks)
 
         # 2. closeness to the teacher's many-step CFG samples, before and after fit
         teacher = samples(module, prompts, teacher_sampler, "teacher", args.batch)
@@ -417,11 +419,7 @@ def students(args, overrides: list[str]) -> None:
                     target = {k: float(v) for k, v in geneval.compute().items()}
                 if timing is None:
                     one = prompts[:args.batch]
-                    blocks = interleave(lambda: samples(module, one, module.teacher_sampler, "teacher", args.batch),
-                                        lambda: samples(module, one, module.sampler, "transformer", args.batch),
-                                        blocks=args.blocks, per_block=1, names=("teacher", "student"))
-                    ratio = compare(blocks, per="batch", ratio_name=f"time {n}-step student/teacher")
-                    print(ratio.report(), flush=True)
+                    ratio = time_sampling(module, one, args.blocks, name=f"time {n}-step student/teacher")
                     timing = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks))
                     start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
                     before = closeness(prompts, teacher, start)
