@@ -136,6 +136,19 @@ def measure_chunks(module, prompts: list[str], teacher: tuple[torch.Tensor, torc
     return scores, videos
 
 
+def bench_cli(config: str, root: str, steps, *extra: str) -> PosttrainCLI:
+    """The config's CLI, unrun, as every path here builds it: no logger, checkpoints, callbacks or validation; the
+    module's models built, in eval mode. ``steps``: the fit's iterations (None: the config's max_steps)."""
+    more = ["--trainer.max_steps", str(steps)] if steps is not None else []
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        cli = PosttrainCLI(args=["--config", config, "--trainer.default_root_dir", root, "--trainer.logger", "false",
+                                 "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+                                 "--trainer.limit_val_batches", "0", *more, *extra], run=False)
+    cli.model.configure_model()
+    cli.model.eval()
+    return cli
+
+
 def time_sampling(module, prompts: list[str], blocks: int, note: str = "", name: str = "time student/teacher"):
     """One batch sampled by the teacher (its steps, CFG) and by the student, in alternating blocks (``timing.py``),
     VAE decoding included; prints and returns the comparison."""
@@ -189,18 +202,10 @@ def self_forcing_bench(args) -> None:
     each student scored on the clip, per window position and past the clip (``measure_chunks``), against the
     teacher's many-step CFG samples; the time ratio of one batch as ``main``'s."""
     def build(seed: int, *more: str):
-        with mock.patch.object(sys, "argv", sys.argv[:1]):
-            extra = ["--trainer.default_root_dir", tmp, "--trainer.logger", "false", "--trainer.enable_checkpointing",
-                     "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0", "--seed_everything",
-                     str(seed), "--model.init_args.run.seed", str(seed), *more]
-            if args.chunk_frames is not None:
-                extra += ["--model.init_args.sampler.init_args.chunk_frames", str(args.chunk_frames)]
-            if args.steps is not None:
-                extra += ["--trainer.max_steps", str(args.steps)]
-            cli = PosttrainCLI(args=["--config", args.config, *extra], run=False)
-        cli.model.configure_model()
-        cli.model.eval()
-        return cli
+        chunk = ["--model.init_args.sampler.init_args.chunk_frames", str(args.chunk_frames)] \
+            if args.chunk_frames is not None else []
+        return bench_cli(args.config, tmp, args.steps, "--seed_everything", str(seed), "--model.init_args.run.seed",
+                         str(seed), *more, *chunk)
 
     def fitted(cli):
         cli.model.train()
@@ -299,15 +304,9 @@ def main() -> None:
     if args.students:
         return students(args, overrides)
 
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sys, "argv", sys.argv[:1]):
-        extra = ["--trainer.default_root_dir", tmp, "--trainer.logger", "false", "--trainer.enable_checkpointing",
-                 "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0"]
-        if args.steps is not None:
-            extra += ["--trainer.max_steps", str(args.steps)]
-        cli = PosttrainCLI(args=["--config", args.config, *extra, *overrides], run=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        cli = bench_cli(args.config, tmp, args.steps, *overrides)
         module = cli.model
-        module.configure_model()
-        module.eval()
         student_sampler, teacher_sampler = module.sampler, module.teacher_sampler
         data = ShapesDataset(args.prompts, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
         prompts = [data[i]["prompt"] for i in range(len(data))]
@@ -397,20 +396,14 @@ def students(args, overrides: list[str]) -> None:
     steps, which is also the zero-student-lr control: lr 0 leaves the student bitwise, tests/test_dmd2.py) and after
     ``fit``."""
     rows, sheet, teacher, target, prompts = [], [], None, None, None
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sys, "argv", sys.argv[:1]):
+    with tempfile.TemporaryDirectory() as tmp:
         for n in args.students:
             after, before, timing = [], None, None
             for seed in args.seeds:
-                extra = ["--trainer.default_root_dir", os.path.join(tmp, f"{n}-{seed}"), "--trainer.logger", "false",
-                         "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
-                         "--trainer.limit_val_batches", "0", "--model.init_args.student_steps", str(n),
-                         "--seed_everything", str(seed), "--model.init_args.run.seed", str(seed)]
-                if args.steps is not None:
-                    extra += ["--trainer.max_steps", str(args.steps)]
-                cli = PosttrainCLI(args=["--config", args.config, *extra, *overrides], run=False)
+                cli = bench_cli(args.config, os.path.join(tmp, f"{n}-{seed}"), args.steps,
+                                "--model.init_args.student_steps", str(n), "--seed_everything", str(seed),
+                                "--model.init_args.run.seed", str(seed), *overrides)
                 module = cli.model
-                module.configure_model()
-                module.eval()
                 if teacher is None:  # the same frozen teacher in every fit: its samples once
                     prompts = held_out_prompts(cli, args.prompts)
                     teacher = samples(module, prompts, module.teacher_sampler, "teacher", args.batch, HELD_OUT_SEED)
