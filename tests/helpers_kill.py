@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+
+import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -96,8 +97,7 @@ def run(config: str, *args: str, timeout: int = 600) -> subprocess.CompletedProc
     """``posttrain fit --config config *args`` as its own process group (so a kill takes all its processes)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    return launch.posttrain("fit", "--config", config, *args, cwd=ROOT, env=env, timeout=timeout)
 
 
 # ---------------------------------------------------------------------- bitwise comparison

@@ -1,23 +1,23 @@
 """Helpers of tests/test_strategy.py: run configs, a kill switch, a two-expert method.
 
-Runs go through the real ``posttrain fit`` command in a subprocess: Lightning's launcher then starts
-the second process by re-running that command (it cannot re-run pytest). ``PYTHONPATH`` carries this
+Runs go through the real ``posttrain fit`` command in its own process (tests/launch.py): Lightning's launcher then
+starts the second process by re-running that command (it cannot re-run pytest). ``PYTHONPATH`` carries this
 folder so that YAML ``class_path: helpers_strategy.…`` resolves in both processes.
 """
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import socket
 import subprocess
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import yaml
 from lightning.pytorch import Callback
 
+import launch
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
@@ -72,14 +72,16 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
 
 
 def fit(config_path: str, *args: str, timeout: int = 240,
-        preexec_fn: Optional[Callable[[], None]] = None) -> subprocess.CompletedProcess:
-    """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2)."""
+        max_file_bytes: Optional[int] = None) -> subprocess.CompletedProcess:
+    """``posttrain fit --config config_path *args`` in a subprocess (2 processes when devices: 2); with
+    ``max_file_bytes`` the command (and the processes it starts, which inherit the limit) cannot grow a file beyond
+    it: a write past it fails with EFBIG part-way, as on a full disk."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                WANDB_MODE="offline", OMP_NUM_THREADS="1")
     for name in LAUNCH_VARIABLES:  # left by a run in this process (Lightning sets them): the command picks its own
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config_path, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+    return launch.posttrain("fit", "--config", config_path, *args, cwd=ROOT, env=env, timeout=timeout,
+                            max_file_bytes=max_file_bytes)
 
 
 def free_port() -> int:
@@ -122,17 +124,6 @@ def fit_on_nodes(config_path: str, launcher: str, nodes: int = 2, timeout: int =
             raise
         done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
     return done
-
-
-def file_size_limit(max_bytes: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the command (and the processes it starts, which inherit the limit) cannot grow a file
-    beyond ``max_bytes``; a write past it fails with EFBIG part-way, as on a full disk (SIGXFSZ ignored: the
-    process gets the error instead of being killed)."""
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
-
-    return limit
 
 
 def weights(ckpt: str, component: str) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 
+import launch
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
 from posttrain.datamodules.synthetic import SyntheticVideos
@@ -349,10 +350,6 @@ def test_a_write_that_fails_part_way_removes_its_folder_and_names_the_fix(tmp_pa
     part-way inside torch's zip writer (EFBIG). The run stops naming the checkpoint, the cause and the fix; its
     temporary folder is gone; the earlier checkpoints and ``last`` are byte-identical.
     (ZeRO, two processes: tests/test_strategy.py.)"""
-    import subprocess
-    import sys
-
-    from helpers_strategy import file_size_limit
     from posttrain.lit.tools.cli import main
 
     config = cli_config(tmp_path, save_last=True)
@@ -361,9 +358,8 @@ def test_a_write_that_fails_part_way_removes_its_folder_and_names_the_fix(tmp_pa
     before, last = files_of(folder), ckpt.last_target(str(folder))
     assert os.path.basename(last) == "epoch=0-step=2.ckpt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", config, "--ckpt_path", "last",
-                           "--trainer.max_steps=4"], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=600, preexec_fn=file_size_limit(1 << 20))  # 1 MiB; lightning.pt is ~19 MiB
+    done = launch.posttrain("fit", "--config", config, "--ckpt_path", "last", "--trainer.max_steps=4",
+                            cwd=str(tmp_path), env=env, max_file_bytes=1 << 20)  # 1 MiB; lightning.pt is ~19 MiB
     assert done.returncode == 2 and "posttrain fit: error:" in done.stderr, done.stderr[-3000:]
     message = done.stderr[done.stderr.index("posttrain fit: error:"):]
     assert f"writing checkpoint {str(folder / 'epoch=1-step=4.ckpt')!r} failed (File too large)" in message, message
@@ -493,9 +489,6 @@ def test_loader_resumed_at_another_world_size_continues_after_the_same_samples(r
 def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     """A real `posttrain fit` (W&B offline, checkpoints, samples) with fake secrets in its environment: none of
     them appears in any file it wrote, nor in its output."""
-    import subprocess
-    import sys
-
     secrets = {"WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789abcd", "HF_TOKEN": "hf_fakeTOKENxyz123",
                "HUGGING_FACE_HUB_TOKEN": "hf_fakeHUBtoken456", "AWS_SECRET_ACCESS_KEY": "fakeAWSsecret789/xyz",
                "OPENAI_API_KEY": "sk-fakeOPENAIkey000"}
@@ -512,8 +505,7 @@ def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "WANDB_MODE": "offline",
            **secrets}
-    done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(tmp_path / "config.yaml")],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    done = launch.posttrain("fit", "--config", str(tmp_path / "config.yaml"), cwd=str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     files = [os.path.join(d, n) for d, _, names in os.walk(tmp_path) for n in names]
     assert any("wandb" in f for f in files) and any(f.endswith("lightning.pt") for f in files)

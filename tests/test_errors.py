@@ -7,6 +7,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+import launch
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import NonFiniteLossError
 from posttrain.lit.tools.config import PosttrainCLI
@@ -124,7 +125,6 @@ def test_two_experts_under_ddp(tmp_path):
     """Two processes: plain `ddp` with two plain experts stops with the fix named; with
     `ddp_find_unused_parameters_true` both experts train and count iterations."""
     import subprocess
-    import sys
 
     import yaml
 
@@ -147,8 +147,7 @@ def test_two_experts_under_ddp(tmp_path):
         path = tmp_path / f"{strategy}.yaml"
         path.write_text(yaml.safe_dump(config))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-        return subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", str(path)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        return launch.posttrain("fit", "--config", str(path), cwd=ROOT, env=env, timeout=300)
 
     refused = run("ddp")
     assert refused.returncode != 0

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import launch
 from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.modules.frechet import VAEFrameFeatures, VideoFrechetDistance
 from posttrain.modules.geneval import SyntheticGenEval, chance, judge, read_facts
@@ -120,7 +120,7 @@ def test_two_process_gather_equals_one_process(tmp_path, one_thread):
     prompts = [prompts[i] if i % 2 else prompts[order[i]] for i in range(24)]
     torch.save({"videos": clips, "prompts": prompts}, tmp_path / "data.pt")
     port = 29500 + os.getpid() % 1000
-    mp.spawn(gather_worker, args=(2, port, str(tmp_path / "data.pt"), str(tmp_path / "out.pt")), nprocs=2)
+    launch.spawn(gather_worker, args=(2, port, str(tmp_path / "data.pt"), str(tmp_path / "out.pt")), nprocs=2)
     gathered = torch.load(tmp_path / "out.pt", weights_only=True)
     single = accuracies(clips, prompts)
     assert gathered == single

@@ -11,6 +11,7 @@ import pytest
 import torch
 from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
+import launch
 from posttrain.callbacks.writer import MediaWriter
 from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import SyntheticVideos
@@ -114,8 +115,7 @@ def test_export_loads_without_posttrain(tmp_path):
     """The single-model export through the CLI, loaded by a fresh interpreter that never imports posttrain."""
     module, ckpt = trained(tmp_path, "run")
     out = tmp_path / "exported"
-    done = subprocess.run([sys.executable, "-m", "posttrain", "export", "--ckpt", ckpt, "--out", str(out),
-                           "--pipeline", "false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = launch.posttrain("export", "--ckpt", ckpt, "--out", str(out), "--pipeline", "false", cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     code = ("import sys, torch; from diffusers import WanTransformer3DModel; "
             f"m = WanTransformer3DModel.from_pretrained({str(out)!r}); "

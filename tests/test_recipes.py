@@ -6,11 +6,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+
+import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))
@@ -59,7 +59,6 @@ def test_recipe_runs_two_iterations_at_tiny_size(path, tmp_path):
     if "reward" in config["model"]["init_args"]:
         args += ["--model.init_args.reward", "ColourAlignment"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "posttrain", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = launch.posttrain(*args, cwd=ROOT, env=env)
     assert done.returncode == 0, f"{method}: {done.stderr[-3000:]}"
     assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 import helpers_strategy as h
+import launch
 from posttrain.modules import checkpoints
 from posttrain.lit.base import RunArgs
 
@@ -164,15 +165,11 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
 def test_the_tools_that_run_deepspeed_are_as_quiet_as_fit(runs, tmp_path, tool):
     """``export`` of a ZeRO checkpoint and ``estimate`` of a sharded config import DeepSpeed, which probes for an
     accelerator and warns that it fell back to the CPU unless told: the tools tell it (they run its CPU-side code)."""
-    import subprocess
-    import sys
-
     args = ["export", "--ckpt", last(runs["z2"]), "--out", str(tmp_path / "out")] if tool == "export" else \
         ["estimate", "--config", os.path.join(h.ROOT, "configs", "finetune_zero.yaml")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([h.ROOT, os.environ.get("PYTHONPATH", "")])}
     env.pop("DS_ACCELERATOR", None)
-    done = subprocess.run([sys.executable, "-m", "posttrain", *args], cwd=str(tmp_path), env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = launch.posttrain(*args, cwd=str(tmp_path), env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert "real_accelerator" not in output and "Setting accelerator" not in output, output[:2000]
@@ -190,7 +187,7 @@ def test_a_sharded_write_that_fails_part_way_stops_every_process_alike(runs, tmp
     shutil.copytree(os.path.join(runs["z2"], "ckpt"), os.path.join(folder, "ckpt"), symlinks=True)
     before, target = files_of(os.path.join(folder, "ckpt")), checkpoints.last_target(os.path.join(folder, "ckpt"))
     done = h.fit(h.config(folder, **{**RUNS["z2"], "max_steps": 6}), "--ckpt_path", "last",
-                 preexec_fn=h.file_size_limit(256 << 10))  # the shards are ~0.6-0.9 MiB each
+                 max_file_bytes=256 << 10)  # the shards are ~0.6-0.9 MiB each
     assert done.returncode != 0 and "posttrain fit: error:" in done.stderr, done.stderr[-3000:]
     message = done.stderr[done.stderr.index("posttrain fit: error:"):]
     # torch's C++ file writer (DeepSpeed's shards) carries no OS error: the process's file-size limit names the cause
