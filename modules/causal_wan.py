@@ -29,7 +29,15 @@ Built on diffusers, not beside it (diffusers 0.42, ``models/transformers/transfo
 Version-fragile (checked by ``tests/test_causal_wan.py``): the base forward passes ``self.rope(...)``'s
 output unchanged to ``block(...)`` and on to ``attn1``'s processor; ``WanAttnProcessor`` applies RoPE as
 re-stated in :func:`apply_wan_rotary` (the cached path projects q/k/v itself); a ``(B, seq_len)`` timestep
-gives per-token modulation. Context parallelism (``_cp_plan`` splits the rope output) is refused.
+gives per-token modulation.
+
+Sequence parallelism (Ulysses, ``modules/sequence_parallel.py``): the model's own ``_cp_plan`` splits the tokens at
+the first block and gathers them after ``proj_out`` as Wan's does, but leaves the rotary embedding whole (it carries
+the chunk state). Each process's self-attention exchanges its tokens' queries, keys and values for whole heads over
+the whole sequence (:func:`sequence_to_heads`, an all-to-all), rotates them there, and keeps its KV cache in that
+layout — ``(B, stored tokens, heads / k, head_dim)``: every cache operation (store, truncate, the rolling eviction) is
+by frames over the whole sequence as without parallelism, and each process holds 1/k of the cache. The block-causal
+mask is the one-process mask. A per-frame ``(B, F)`` timestep is cut to the process's tokens.
 
 At full scale (Wan 1.3B, 21 latent frames x 1560 tokens): the full-video block-causal mask is a dense
 (L, L) bool tensor (about 1 GB; Self-Forcing uses a flex-attention ``BlockMask`` there), and a (B, F)
@@ -44,6 +52,7 @@ from typing import Any, Optional
 
 import torch
 from diffusers import WanTransformer3DModel
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import (
     WanAttention,
@@ -213,12 +222,46 @@ def apply_wan_rotary(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs
     return out.type_as(hidden_states)
 
 
+def sequence_group(parallel_config) -> Optional[Any]:
+    """The process group of a diffusers ``ParallelConfig``'s Ulysses dimension, or None without one."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    return None if cp is None else cp.mesh["ulysses"].get_group()
+
+
+def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all over ``group`` along dim 0 (piece j goes to rank j), with its gradient (the inverse exchange)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, group))
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """Ulysses' first all-to-all: (B, L / k, heads, d) of this process's tokens -> (B, L, heads / k, d) of every
+    token for this process's heads (the k processes' token shards in rank order)."""
+    k = torch.distributed.get_world_size(group)
+    b, tokens, heads, d = x.shape
+    send = x.reshape(b, tokens, k, heads // k, d).permute(2, 0, 1, 3, 4).contiguous()  # piece j: rank j's heads
+    received = _exchange(send, group)  # piece i: rank i's tokens
+    return received.permute(1, 0, 2, 3, 4).reshape(b, k * tokens, heads // k, d)
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse all-to-all: (B, L, heads / k, d) -> (B, L / k, heads, d) of this process's tokens."""
+    k = torch.distributed.get_world_size(group)
+    b, tokens, heads, d = x.shape
+    send = x.reshape(b, k, tokens // k, heads, d).permute(1, 0, 2, 3, 4).contiguous()  # piece j: rank j's tokens
+    received = _exchange(send, group)  # piece i: rank i's heads
+    return received.permute(1, 2, 0, 3, 4).reshape(b, tokens // k, k * heads, d)
+
+
 class CausalWanAttnProcessor(WanAttnProcessor):
     """Self-attention of block ``layer`` with a block-causal mask and, when given, a KV cache.
 
     Without chunking state (a plain call) or for cross-attention it is ``WanAttnProcessor`` unchanged. Without a
     cache the block-causal mask goes to the stock processor. With a cache, the input's queries attend to the
     cached keys/values of earlier chunks followed by the input's own (block-causal among the input's chunks).
+    Under sequence parallelism (``_parallel_config`` set) the exchange for whole heads comes first (module
+    docstring), with or without a cache.
     """
 
     def __init__(self, layer: int):
@@ -231,19 +274,22 @@ class CausalWanAttnProcessor(WanAttnProcessor):
         chunking = getattr(rotary_emb, "chunking", None)
         if chunking is None or encoder_hidden_states is not None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        if chunking.kv_cache is None:
+        group = sequence_group(self._parallel_config)
+        if chunking.kv_cache is None and group is None:
             return super().__call__(attn, hidden_states, None, chunking.attn_mask, rotary_emb)
 
         # (B, L, heads, head_dim) queries/keys/values of the input tokens, normalized and rotated exactly as
-        # the stock processor does.
+        # the stock processor does (under sequence parallelism: of every token, for this process's heads).
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if group is not None:
+            query, key, value = (sequence_to_heads(t, group) for t in (query, key, value))
         query = apply_wan_rotary(query, *rotary_emb)
         key = apply_wan_rotary(key, *rotary_emb)
 
         cache, start = chunking.kv_cache, chunking.cache_tokens
-        if chunking.update_cache:
+        if cache is not None and chunking.update_cache:
             cache.store(self.layer, start, key, value)
         if start:
             # Only the first ``start`` cached tokens: a later write (the next chunk's context pass) must not
@@ -253,6 +299,8 @@ class CausalWanAttnProcessor(WanAttnProcessor):
 
         hidden_states = dispatch_attention_fn(query, key, value, attn_mask=chunking.attn_mask, dropout_p=0.0,
                                               is_causal=False, backend=self._attention_backend, parallel_config=None)
+        if group is not None:
+            hidden_states = heads_to_sequence(hidden_states, group)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
@@ -270,18 +318,21 @@ def block_causal_mask(num_frames: int, frame_offset: int, num_frames_per_chunk: 
     ``window_frames`` frames before ``f``'s chunk, or in it, or among the first ``sink_frames`` (Self-Forcing's
     ``local_attn_size`` mask, the rolling cache's view). Tokens are frame-major, each frame ``tokens_per_frame`` long.
     """
-    queries = torch.arange(frame_offset, frame_offset + num_frames, device=device)
-    cached = torch.arange(frame_offset, device=device) if key_frames is None else key_frames.to(device)
-    keys = torch.cat([cached, queries])
-    query_chunk, key_chunk = queries // num_frames_per_chunk, keys // num_frames_per_chunk
-    frames = key_chunk[None, :] <= query_chunk[:, None]  # (F_q, F_k)
-    if window_frames is not None:
-        chunk_start = query_chunk * num_frames_per_chunk
-        frames &= (keys[None, :] >= chunk_start[:, None] - window_frames) | (keys[None, :] < sink_frames)
-    if bool(frames.all()):
+    # frames, not tokens, in Python: a few hundred entries, and no data-dependent branch on a tensor (the mask is
+    # also built under `posttrain estimate`'s fake tensors)
+    n = num_frames_per_chunk
+    queries = range(frame_offset, frame_offset + num_frames)
+    keys = [*(range(frame_offset) if key_frames is None else key_frames.tolist()), *queries]
+
+    def visible(query: int, key: int) -> bool:
+        in_window = window_frames is None or key >= (query // n) * n - window_frames or key < sink_frames
+        return key // n <= query // n and in_window
+
+    frames = [[visible(q, k) for k in keys] for q in queries]  # (F_q, F_k)
+    if all(all(row) for row in frames):
         return None
-    mask = frames.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
-    return mask[None, None]
+    mask = torch.tensor(frames, device=device).repeat_interleave(tokens_per_frame, 0)
+    return mask.repeat_interleave(tokens_per_frame, 1)[None, None]
 
 
 class CausalWanTransformer3DModel(WanTransformer3DModel):
@@ -300,6 +351,12 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
                                              self.config.rope_max_seq_len)
         for i, block in enumerate(self.blocks):
             block.attn1.set_processor(CausalWanAttnProcessor(i))
+
+    # Wan's plan without the rotary split: the rope output carries the chunk state and is applied after the exchange
+    _cp_plan = {
+        "blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
 
     # diffusers builds the model from ``inspect.signature(cls.__init__)`` (ConfigMixin.extract_init_dict): keep
     # the base class's signature so that from_config / from_pretrained pass every config key.
@@ -364,8 +421,6 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             raise ValueError(f"{num_frames} latent frames do not split into chunks of num_frames_per_chunk={chunk}")
         if update_cache and kv_cache is None:
             raise ValueError("update_cache=True needs a kv_cache to write to")
-        if self._parallel_config is not None:
-            raise NotImplementedError("context parallelism splits the rotary embedding that carries the chunk mask")
         wrong = [i for i, b in enumerate(self.blocks) if not isinstance(b.attn1.processor, CausalWanAttnProcessor)]
         if wrong:
             raise RuntimeError(f"blocks {wrong} lost their CausalWanAttnProcessor (set_attn_processor?): attention "
@@ -393,6 +448,10 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
                 raise ValueError(f"timestep of shape {tuple(timestep.shape)}: give (B,) or (B, F) = "
                                  f"{(batch_size, num_frames)}, one per latent frame")
             timestep = timestep.repeat_interleave(tokens_per_frame, dim=1)  # (B, F·tokens_per_frame)
+            group = sequence_group(self._parallel_config)
+            if group is not None:  # the modulation of this process's tokens (Wan's plan splits it so)
+                timestep = timestep.chunk(torch.distributed.get_world_size(group), dim=1)[
+                    torch.distributed.get_rank(group)]
 
         chunking = _Chunking(
             frame_offset=frame_offset,

@@ -21,16 +21,15 @@ Gradients: every process backpropagates its own tokens, so a parameter's gradien
 (``reduce_sequence_gradients``), as DDP would average it over data-parallel processes. The process grid is
 data-parallel × sequence-parallel (``sequence_mesh``): processes ``d·k … d·k+k-1`` share samples.
 
-Composes with LoRA, gradient checkpointing, ZeRO-2/3 and the SDE rollout (tests/test_sequence_parallel.py); not with
-a KV-cached block-causal generator (``refuse_kv_cached``). ``posttrain estimate`` traces one process of a group on a
+Composes with LoRA, gradient checkpointing, ZeRO-2/3, the SDE rollout and the KV-cached block-causal student (its own
+plan and exchange: ``modules/causal_wan.py``) (tests/test_sequence_parallel.py). ``posttrain estimate`` traces one process of a group on a
 fake process group (``traced_mesh``) and adds the all-to-all's buffers (``all_to_all_bytes``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -45,17 +44,6 @@ def sequence_mesh(degree: int, device_type: str = "cpu"):
         raise ValueError(f"sequence_parallel={degree} must divide the {world} processes of this run "
                          f"(devices x num_nodes); set it to a divisor, or change the process count")
     return init_device_mesh(device_type, (world // degree, 1, degree), mesh_dim_names=("data", "ring", "ulysses"))
-
-
-def refuse_kv_cached(archs: Mapping[str, str], degree: int) -> None:
-    """Refuse sequence parallelism for a card with a block-causal generator (``archs``: expert name -> arch): it
-    samples chunk by chunk through a KV cache of each chunk's whole keys, which a sequence split cannot share."""
-    from posttrain.modules import presets
-
-    causal = [f"{name!r} (arch {arch})" for name, arch in archs.items() if presets.causal(arch)]
-    if degree > 1 and causal:
-        raise ValueError(f"sequence_parallel={degree} cannot split the KV-cached block-causal generator {causal[0]}: "
-                         f"set `trainer.strategy.init_args.sequence_parallel: 1` for this config")
 
 
 def enable_sequence_parallel(model: nn.Module, mesh, heads: Optional[int] = None) -> None:

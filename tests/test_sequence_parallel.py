@@ -18,8 +18,8 @@ import pytest
 import torch
 import yaml
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import launch
 from tests.conftest import TINY_WAN
 
 pytestmark = pytest.mark.timeout(300)
@@ -97,8 +97,46 @@ def test_wan_forward_and_backward_under_two_way_sequence_parallelism_equal_one_p
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_compare, args=(2, port), nprocs=2)
+    launch.spawn(_compare, args=(2, port), nprocs=2)
 
+
+
+def _assert_cached_rollout_equals_alone(alone, mesh, text: torch.Tensor) -> None:
+    """The KV-cached block-causal student chunk by chunk, as the sampler drives it (each chunk read with the cache,
+    then its context pass at σ = 0 writing it), through a rolling cache of 2 frames (the first chunks are evicted):
+    every chunk's output equals one process's (1e-6, as above), and so do the group-summed gradients of the last
+    chunk's output (1e-5 of the largest), which reach the weights through the cached chunks' keys only as constants."""
+    from posttrain.modules.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients
+
+    shared = copy.deepcopy(alone)
+    enable_sequence_parallel(shared, mesh)
+    noise = torch.Generator().manual_seed(2)
+    chunks = [torch.randn(2, 16, 1, 8, 8, generator=noise) for _ in range(4)]  # 4 latent frames, one per chunk
+    results = []
+    for model in (alone, shared):
+        cache, outs = model.new_cache(window_frames=2), []
+        for i, chunk in enumerate(chunks):
+            if i < len(chunks) - 1:
+                with torch.no_grad():
+                    outs.append(model(chunk, torch.tensor([500.0, 500.0]), text, kv_cache=cache, num_frames_per_chunk=1,
+                                      return_dict=False)[0])
+                    model(chunk, torch.zeros(2), text, kv_cache=cache, update_cache=True, num_frames_per_chunk=1)
+            else:
+                out = model(chunk, torch.tensor([300.0, 700.0]), text, kv_cache=cache, num_frames_per_chunk=1,
+                            return_dict=False)[0]
+                (out.double() ** 2).mean().backward()
+                outs.append(out.detach())
+        assert cache.evicted_frames == 1 and cache.stored_frames == 2
+        if model is shared:
+            reduce_sequence_gradients(shared, mesh)
+            assert cache.keys[0].shape[2] == alone.config.num_attention_heads // 2  # 1/k of the heads are cached here
+        results.append((outs, {n: p.grad for n, p in model.named_parameters()}))
+    (outs, grads), (outs_sp, grads_sp) = results
+    for i, (a, b) in enumerate(zip(outs, outs_sp)):
+        assert (a - b).abs().max().item() <= 1e-6 * max(1.0, a.abs().max().item()), ("cached chunk", i)
+    scale = max(g.abs().max().item() for g in grads.values())
+    worst = max((grads[k] - grads_sp[k]).abs().max().item() for k in grads)
+    assert 0 < scale and worst <= 1e-5 * scale, ("cached rollout", worst, scale)
 
 
 def _compositions(rank: int, world: int, port: int) -> None:
@@ -129,21 +167,30 @@ def _compositions(rank: int, world: int, port: int) -> None:
                     pooled_projections=torch.randn(2, 32, generator=noise), img_ids=torch.randn(16, 3, generator=noise),
                     txt_ids=torch.zeros(6, 3))
         _assert_shared_equals_alone(presets.build_model("flux"), mesh, flux, "FLUX")
+        # the KV-cached block-causal student: one forward over the video with one noise level per frame, and cached
+        torch.manual_seed(0)
+        causal = presets.build_model("wan_t2v_causal", preset=TINY_WAN)
+        per_frame = dict(wan, timestep=torch.tensor([[0.0, 300.0, 700.0], [100.0, 500.0, 900.0]]),
+                         num_frames_per_chunk=1)
+        _assert_shared_equals_alone(causal, mesh, per_frame, "block-causal, a noise level per frame")
+        causal.zero_grad()
+        _assert_cached_rollout_equals_alone(causal, mesh, wan["encoder_hidden_states"])
     finally:
         dist.destroy_process_group()
 
 
-def test_lora_checkpointing_and_flux_under_two_way_sequence_parallelism_equal_one_process():
+def test_lora_checkpointing_flux_and_the_causal_student_under_two_way_sequence_parallelism_equal_one_process():
     """Under SP = 2, with the tolerances above: a Wan with a LoRA adapter on its attention (both factors non-zero;
     only the adapter's gradients), a Wan with gradient checkpointing (the split hooks run again in the recompute),
-    and FLUX's joint text + image attention (16 image and 6 text tokens, each split in two). One spawn for the three
-    (a spawn costs more than the checks)."""
+    FLUX's joint text + image attention (16 image and 6 text tokens, each split in two), and the KV-cached
+    block-causal student (one forward with a noise level per frame; a chunk-by-chunk rollout through a rolling
+    cache). One spawn for them all (a spawn costs more than the checks)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_compositions, args=(2, port), nprocs=2)
+    launch.spawn(_compositions, args=(2, port), nprocs=2)
 
 
 def test_finetune_under_two_way_sequence_parallelism_follows_one_process(tmp_path):
@@ -165,6 +212,51 @@ def test_finetune_under_two_way_sequence_parallelism_follows_one_process(tmp_pat
         assert a.keys() == b.keys() and a
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst <= 5e-5, (component, worst)
+
+
+def test_self_forcing_under_two_way_sequence_parallelism_follows_one_process(tmp_path):
+    """configs/self_forcing.yaml (DMD2 with the KV-cached block-causal student, rolled out chunk by chunk) for 2
+    iterations, the student stepping on both, on one process and under SP = 2 (student, teacher and critic all split;
+    student and critic in ZeRO-2 engines): the student and the critic end where one process ends (5e-5, as finetune
+    above)."""
+    import helpers_strategy as h
+
+    with open(os.path.join(h.ROOT, "configs", "self_forcing.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    init = cfg["model"]["init_args"]
+    init.update(generator_update_ratio=1)
+    for name in ("transformer", "critic"):  # two experts stepping apart: ZeRO-2 engines (DDP would refuse them)
+        init["card"]["experts"][name].update(sharded=True, zero={"stage": 2})
+    init["teacher_sampler"]["init_args"]["num_steps"] = 2
+    cfg["data"]["init_args"].update(num_synthetic=4, batch_size=1)
+    runs = {}
+    for devices in (1, 2):
+        folder = str(tmp_path / f"sp{devices}")
+        cfg["trainer"] = {
+            "max_steps": 2, "accelerator": "cpu", "devices": devices, "logger": False, "enable_progress_bar": False,
+            "enable_model_summary": False, "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": folder,
+            "strategy": {"class_path": "posttrain.lit.engine.strategy.ShardedExpertsStrategy",
+                         "init_args": {"sequence_parallel": devices}},
+            "callbacks": [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
+                           "init_args": {"dirpath": os.path.join(folder, "ckpt"), "every_n_train_steps": 2,
+                                         "save_last": True, "save_top_k": 0}}]}
+        os.makedirs(folder)
+        path = os.path.join(folder, "config.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        done = h.fit(path)
+        assert done.returncode == 0, done.stderr[-5000:]
+        runs[devices] = os.path.join(folder, "ckpt", "last.ckpt")
+    assert "sequence parallel: groups of 2 processes" in done.stdout + done.stderr, done.stderr[-3000:]
+    from posttrain.modules import presets
+
+    start = presets.build_model("wan_t2v").state_dict()  # the teacher both start from
+    for component in ("transformer", "critic"):
+        a, b = (h.weights(runs[k], component) for k in (1, 2))
+        assert a.keys() == b.keys() and a
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        moved = max((a[k] - start[k]).abs().max().item() for k in a)
+        assert worst <= 5e-5 and moved >= 1e-4, (component, worst, moved)  # observed: 7e-6, moved 2.4e-4
 
 
 def _with(path: str, **sections) -> str:

@@ -53,7 +53,7 @@ from posttrain.lit.engine.resume import check_signature
 from posttrain.modules import checkpoints as ckpt
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
-from posttrain.modules.sequence_parallel import enable_sequence_parallel, refuse_kv_cached, sequence_mesh
+from posttrain.modules.sequence_parallel import enable_sequence_parallel, sequence_mesh
 
 TAG, META = ckpt.ZERO_TAG, ckpt.SHARDED_META
 UNIVERSAL = f"{TAG}_universal"  # DeepSpeed's universal checkpoint of a shard folder
@@ -108,7 +108,6 @@ class ShardedExpertsStrategy(DDPStrategy):
                                    dist_init_required=False, verbose=False)
         card = self._card()
         if self.sequence_parallel > 1:
-            refuse_kv_cached({name: spec.arch for name, spec in card.specs.items()}, self.sequence_parallel)
             self.mesh = sequence_mesh(self.sequence_parallel, self.root_device.type)
         elif not any(spec.sharded for spec in card.specs.values()):
             rank_zero_warn("ShardedExpertsStrategy: no expert has `sharded: true`; every expert runs under plain DDP")

@@ -48,8 +48,7 @@ from posttrain.lit.tools.config import instantiate_part, parse
 from posttrain.modules import presets
 from posttrain.modules.cards import Expert, ModelCard, dtype_of
 from posttrain.modules.generators.base import TrainingForward
-from posttrain.modules.sequence_parallel import all_to_all_bytes, enable_sequence_parallel, refuse_kv_cached, \
-    traced_mesh
+from posttrain.modules.sequence_parallel import all_to_all_bytes, enable_sequence_parallel, traced_mesh
 
 GIB = 2**30
 
@@ -174,7 +173,6 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
                          f"num_nodes) of {config!r}; set it to a divisor")
     method = instantiate_part(cfg, "model", config, "estimate")  # its card unbuilt
     card: ModelCard = method.card
-    refuse_kv_cached({name: spec.arch for name, spec in card.specs.items()}, degree)
     data_batch = batch_size or _data_batch_size(cfg)
 
     # 1. every expert on the meta device, then the method's roles (copies of meta modules)
