@@ -10,7 +10,8 @@ kill tests kill its whole process group), it exits with the command's status (�
 Lightning's launcher starts for the other ranks re-run ``python -m posttrain.__main__`` from scratch.
 
 What differs from a cold start: the modules of the preload are already imported (with the environment the server
-started with: this worker's). ``spawn`` is ``torch.multiprocessing.spawn`` on the same server. Tests about the command's own start-up — its warnings, the console script, the
+started with: this worker's). ``script`` runs a bench script the same way, ``spawn`` is
+``torch.multiprocessing.spawn`` on the same server. Tests about the command's own start-up — its warnings, the console script, the
 installed wheel — run it cold (tests/test_cli.py, tests/test_packaging.py).
 """
 from __future__ import annotations
@@ -39,9 +40,10 @@ def context():
     return _context
 
 
-def _command(args: list[str], env: dict[str, str], cwd: str, out: str, err: str,
+def _command(script: Optional[str], args: list[str], env: dict[str, str], cwd: str, out: str, err: str,
              max_file_bytes: Optional[int]) -> None:
-    """The forked child: become ``python -m posttrain *args`` started in a new session, then exit as it would."""
+    """The forked child: become ``python -m posttrain *args`` (``python script *args`` when ``script`` is given)
+    started in a new session, then exit as it would."""
     os.setsid()  # its own process group: a kill of the job takes the ranks it starts, and nothing else
     if max_file_bytes is not None:  # as on a full disk: a write past it fails with EFBIG instead of a SIGXFSZ kill
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -62,10 +64,14 @@ def _command(args: list[str], env: dict[str, str], cwd: str, out: str, err: str,
 
     if env.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = ["posttrain", *args]
+    sys.argv = ["posttrain" if script is None else script, *args]
     code = 0
     try:
-        runpy.run_module("posttrain", run_name="__main__", alter_sys=True)
+        if script is None:
+            runpy.run_module("posttrain", run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as the interpreter does for a script
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0
@@ -84,13 +90,15 @@ def _command(args: list[str], env: dict[str, str], cwd: str, out: str, err: str,
 
 
 def posttrain(*args: str, cwd: str, env: Optional[dict[str, str]] = None, timeout: float = 600,
-              max_file_bytes: Optional[int] = None) -> subprocess.CompletedProcess:
-    """``python -m posttrain *args`` run to its end, as ``subprocess.run(..., capture_output=True, text=True)``
-    returns it (``subprocess.TimeoutExpired`` past ``timeout``, after killing the job)."""
+              max_file_bytes: Optional[int] = None, script: Optional[str] = None) -> subprocess.CompletedProcess:
+    """``python -m posttrain *args`` (``python script *args`` with ``script``: a bench) run to its end, as
+    ``subprocess.run(..., capture_output=True, text=True)`` returns it (``subprocess.TimeoutExpired`` past
+    ``timeout``, after killing the job)."""
     env = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="posttrain-command-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = context().Process(target=_command, args=(list(args), env, str(cwd), out, err, max_file_bytes))
+        process = context().Process(target=_command,
+                                    args=(script, list(args), env, str(cwd), out, err, max_file_bytes))
         process.start()
         process.join(timeout)
         if process.exitcode is None:
@@ -101,6 +109,11 @@ def posttrain(*args: str, cwd: str, env: Optional[dict[str, str]] = None, timeou
             process.join()
             raise subprocess.TimeoutExpired(["posttrain", *args], timeout, output=read(out), stderr=read(err))
         return subprocess.CompletedProcess(["posttrain", *args], process.exitcode, read(out), read(err))
+
+
+def script(path: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """``python path *args`` (a bench script), forked and returned as ``posttrain`` does."""
+    return posttrain(*args, script=path, **kwargs)
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:

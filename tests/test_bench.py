@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loggers import Logger
 
+import launch
 from posttrain.modules.versions import SyncPlan, constant
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import ExpertModule
@@ -213,10 +213,9 @@ def test_sync_plan_follows_a_module_the_card_replaced():
 
 
 # ---------------------------------------------------------------------- the benches run
-def run_bench(*args: str, timeout: int = 600) -> str:
+def run_bench(script: str, *args: str, timeout: int = 600) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = launch.script(script, *args, cwd=ROOT, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import memory  # noqa: E402  (bench/memory.py: the measured side)
+import sequence_parallel  # noqa: E402  (bench/sequence_parallel.py: the bytes a forward saves for backward)
 
 ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-4}}
 # bench/memory.py's preset at layers=2, heads=8, head_dim=64 (10.6M parameters)
@@ -99,19 +100,8 @@ def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated:
         method.card.models[name] = meta_model(spec)
     model = presets.build_model(arch, preset=preset).train()
     inputs = _inputs(input_shapes(arch, dict(model.config), method.card, method, rows=2), torch.float32)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**inputs)[0]
-    measured = sum(saved.values())
-    assert out.shape[0] == 2 and measured > 0
+    measured = sequence_parallel.saved_bytes(model, inputs)
+    assert measured > 0
     assert estimated == pytest.approx(measured, rel=0.05), f"estimate {estimated} vs measured {measured} bytes"
 
 
