@@ -32,7 +32,7 @@ from posttrain.modules.world import (
 )
 
 _COLOUR_NAMES = tuple(PALETTE)
-MAX_FOREIGN = 1 / 3  # the most of a frame's shape mask that may be neither the shape colour nor a blend with the background
+MAX_FOREIGN = 1 / 3  # the most of a frame's shape mask that may be neither its colour nor a blend with the background
 
 
 def _palette(device) -> torch.Tensor:
