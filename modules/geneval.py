@@ -7,6 +7,10 @@ generator is the share of prompts whose facts its videos show (METHODS.md, "Synt
 - background: the most common nearest-palette colour of the border pixels (all frames);
 - shape colour: the most common nearest-palette colour among the other pixels;
 - shape mask: pixels nearer the shape colour than the background colour (robust to blurred edges);
+- one colour: a shape of which, in some frame, more than a third of the mask is *foreign* (farther from every
+  blend of the shape and background colours than half the palette's closest pair: a red core in a yellow
+  square, a cyan band in a blue one) shows no single colour, so its colour is not shown (the mask alone would
+  take the core as part of a yellow square);
 - motion: the mask's centroid path (circular means on the torus, summed frame-to-frame steps); its
   larger axis and sign give left/right/up/down, a path under ``min_motion`` of the frame is no motion;
 - shape kind: per frame, the IoU of the mask with a circle, square and triangle template of the same
@@ -28,11 +32,23 @@ from posttrain.modules.world import (
 )
 
 _COLOUR_NAMES = tuple(PALETTE)
+MAX_FOREIGN = 1 / 3  # the most of a frame's shape mask that may be neither its colour nor a blend with the background
 
 
 def _palette(device) -> torch.Tensor:
     """(P, 3) palette RGB in [-1, 1]."""
     return torch.tensor([PALETTE[c] for c in _COLOUR_NAMES], device=device) * 2 - 1
+
+
+def _foreign_share(pixels: torch.Tensor, mask: torch.Tensor, fg: torch.Tensor, bg: torch.Tensor,
+                   palette: torch.Tensor) -> torch.Tensor:
+    """Per frame, the share of the mask's pixels farther from the segment fg–bg in RGB (every blend of the shape
+    and background colours: a blurred edge) than half the palette's closest pair of colours. (F,)"""
+    gaps = torch.cdist(palette, palette)
+    tolerance = gaps[gaps > 0].min() / 2
+    t = ((pixels - fg) * (bg - fg)).sum(-1, keepdim=True).div((bg - fg).pow(2).sum()).clamp(0, 1)
+    foreign = ((pixels - fg - t * (bg - fg)).norm(dim=-1) > tolerance) & (mask > 0)
+    return foreign.sum((1, 2)) / mask.sum((1, 2)).clamp(min=1)
 
 
 def _circular_mean(weights: torch.Tensor, coords: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -65,7 +81,8 @@ def read_facts(video: torch.Tensor, min_motion: float = 0.05) -> Facts:
     # 3. mask: nearer the shape colour than the background colour
     mask = ((pixels - palette[fg]).pow(2).sum(-1) < (pixels - palette[bg]).pow(2).sum(-1)).float()  # (F, H, W)
     area = mask.sum((1, 2))  # (F,)
-    facts = Facts(colour=_COLOUR_NAMES[fg], background=_COLOUR_NAMES[bg])
+    mixed = bool((_foreign_share(pixels, mask, palette[fg], palette[bg], palette) > MAX_FOREIGN).any())
+    facts = Facts(colour=None if mixed else _COLOUR_NAMES[fg], background=_COLOUR_NAMES[bg])
     if bool((area == 0).any()):
         return facts
     yy = ((torch.arange(height, device=video.device) + 0.5) / height).view(1, height, 1)

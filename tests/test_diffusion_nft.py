@@ -69,16 +69,17 @@ def test_diffusion_nft_raises_the_colour_reward_and_blends_old():
 
 
 def test_shipped_settings_learn_against_a_zero_lr_control():
-    """configs/diffusion_nft.yaml's NFT settings (β, KL, decay of ``old``, noise levels, group), on the tiny
-    generator: after 20 iterations the reward of fixed-noise ODE samples is clearly above a control run that sees
-    the same rollouts at learning rate 0 (which is what removing the update leaves)."""
-    init = yaml.safe_load(open("configs/diffusion_nft.yaml"))["model"]["init_args"]
+    """configs/diffusion_nft.yaml's NFT settings (β, KL, decay of ``old``, noise levels, group, prompts a step), on
+    the tiny generator: after 20 iterations the reward of fixed-noise ODE samples is clearly above a control run that
+    sees the same rollouts at learning rate 0 (which is what removing the update leaves)."""
+    config = yaml.safe_load(open("configs/diffusion_nft.yaml"))
+    init, batch_size = config["model"]["init_args"], config["data"]["init_args"]["batch_size"]
     settings = {k: init[k] for k in ("beta", "kl_beta", "decay_type", "num_timesteps")}
     after = {}
     for lr in (0.0, 1e-3):
         torch.manual_seed(0)
         model = make(lr, grpo=GRPOArgs(**init["grpo"]), **settings)
-        quick_trainer(20).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+        quick_trainer(20).fit(model, Prompts(prompts=PROMPTS, batch_size=batch_size))
         after[lr] = eval_reward(model)
     print(f"diffusion_nft shipped settings: control {after[0.0]:.4f}, trained {after[1e-3]:.4f}")
     assert after[1e-3] > after[0.0] + 0.03, after

@@ -14,7 +14,7 @@ from posttrain.modules.frechet import VAEFrameFeatures, VideoFrechetDistance
 from posttrain.modules.geneval import SyntheticGenEval, chance, judge, read_facts
 from posttrain.modules.presets import build_model
 from posttrain.modules.rewards import SyntheticGenEvalReward, score
-from posttrain.modules.world import FACTS, Facts, parse_caption, render
+from posttrain.modules.world import FACTS, PALETTE, Facts, parse_caption, render
 from tests.helpers_geneval import gather_worker
 
 FRAMES, SIZE = 5, 32
@@ -79,6 +79,21 @@ def test_unreadable_videos_count_as_wrong(one_thread):
 def test_a_static_shape_shows_no_motion(one_thread):
     still = render("square", "red", "left", "blue", FRAMES, SIZE, SIZE, speed=0.0)
     assert read_facts(still) == Facts("square", "red", "blue", None)
+
+
+def test_a_shape_with_a_core_of_another_colour_shows_no_colour(one_thread):
+    """Reward hacking seen on DiffusionNFT's sheet: a yellow square with a red core (under half its area, so yellow
+    stays the most common colour, and red is nearer yellow than the green background, so the mask takes the core as
+    square) reads as a yellow square unless the foreign core counts; it must not score the colour as shown."""
+    square = render("square", "yellow", "down", "green", FRAMES, SIZE, SIZE)
+    core = render("square", "red", "down", "green", FRAMES, SIZE, SIZE, radius=0.15)  # 44% of the square's pixels
+    green = torch.tensor(PALETTE["green"]).view(3, 1, 1, 1) * 2 - 1
+    cored = torch.where((core != green).any(0, keepdim=True), core, square)
+    assert read_facts(square) == Facts("square", "yellow", "green", "down")
+    facts = read_facts(cored)
+    assert facts.colour is None and (facts.shape, facts.background, facts.motion) == ("square", "green", "down")
+    verdicts = judge(cored[None], ["a yellow square moving down on a green background"])
+    assert float(verdicts["colour"]) == 0.0
 
 
 def test_shipped_vae_reconstructions_read_back(videos, one_thread):
