@@ -167,6 +167,15 @@ def _compositions(rank: int, world: int, port: int) -> None:
                     pooled_projections=torch.randn(2, 32, generator=noise), img_ids=torch.randn(16, 3, generator=noise),
                     txt_ids=torch.zeros(6, 3))
         _assert_shared_equals_alone(presets.build_model("flux"), mesh, flux, "FLUX")
+        # Wan I2V: the Wan 2.2 layout (image latents and mask on the channels) and Wan 2.1's image states beside the
+        # text in cross-attention (replicated: only the video tokens are split)
+        i2v = dict(wan, hidden_states=torch.randn(2, 36, 3, 8, 8, generator=noise))
+        torch.manual_seed(0)
+        _assert_shared_equals_alone(presets.build_model("wan_i2v"), mesh, i2v, "I2V, Wan 2.2 layout")
+        torch.manual_seed(0)
+        _assert_shared_equals_alone(presets.build_model("wan_i2v", preset={"image_dim": 32}), mesh,
+                                    dict(i2v, encoder_hidden_states_image=torch.randn(2, 5, 32, generator=noise)),
+                                    "I2V, Wan 2.1 image states")
         # the KV-cached block-causal student: one forward over the video with one noise level per frame, and cached
         torch.manual_seed(0)
         causal = presets.build_model("wan_t2v_causal", preset=TINY_WAN)
@@ -179,10 +188,11 @@ def _compositions(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_lora_checkpointing_flux_and_the_causal_student_under_two_way_sequence_parallelism_equal_one_process():
+def test_lora_checkpointing_flux_i2v_and_the_causal_student_under_two_way_sequence_parallelism_equal_one_process():
     """Under SP = 2, with the tolerances above: a Wan with a LoRA adapter on its attention (both factors non-zero;
     only the adapter's gradients), a Wan with gradient checkpointing (the split hooks run again in the recompute),
-    FLUX's joint text + image attention (16 image and 6 text tokens, each split in two), and the KV-cached
+    FLUX's joint text + image attention (16 image and 6 text tokens, each split in two), Wan I2V (both layouts), and
+    the KV-cached
     block-causal student (one forward with a noise level per frame; a chunk-by-chunk rollout through a rolling
     cache). One spawn for them all (a spawn costs more than the checks)."""
     import socket
