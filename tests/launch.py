@@ -11,8 +11,8 @@ Lightning's launcher starts for the other ranks re-run ``python -m posttrain.__m
 
 What differs from a cold start: the modules of the preload are already imported (with the environment the server
 started with: this worker's). ``script`` runs a bench script the same way, ``spawn`` is
-``torch.multiprocessing.spawn`` on the same server. Tests about the command's own start-up — its warnings, the console script, the
-installed wheel — run it cold (tests/test_cli.py, tests/test_packaging.py).
+``torch.multiprocessing.spawn`` on the same server. Tests about the command's own start-up — its warnings, the
+console script, the installed wheel — run it cold (tests/test_cli.py, tests/test_packaging.py).
 """
 from __future__ import annotations
 
