@@ -9,13 +9,11 @@ A moment is one of
                                  ``committed``, ``linked``);
     ``resume:<phase>``           during a resume: ``verified`` (checkpoint verified, nothing loaded yet) or
                                  ``started`` (everything restored, before the first iteration).
-The whole job dies at once (SIGKILL to its process group, as when a node goes down): the runner starts every job
-in a new session.
+The whole job dies at once (SIGKILL to every process of it, as when a node goes down): ``launch.kill_job``.
 """
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from typing import Any
 
@@ -29,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 
 
 def die() -> None:
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    launch.kill_job()
 
 
 class Chaos(Callback):

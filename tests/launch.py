@@ -9,6 +9,14 @@ environment, working directory and argv, stdout and stderr in files. It is a rea
 kill tests kill its whole process group), it exits with the command's status (−9 when killed), and the processes
 Lightning's launcher starts for the other ranks re-run ``python -m posttrain.__main__`` from scratch.
 
+The other ranks of a multi-process command are forked from the same server too: the command's Lightning launcher
+starts rank k with ``subprocess.Popen([python, "-m", "posttrain.__main__", ...])``; here that call forks rank k
+instead (same argv, environment, working directory, file-size limit, and the same open stdout/stderr), and returns
+a handle that polls, waits and signals as a ``Popen`` does. A forked rank cannot join rank 0's session, so each
+rank leads its own, and a job is the set of sessions its ranks registered in its folder: ``kill_job`` (a node going
+down) and a timeout kill them all at once; a rank whose rank 0 is gone leaves after a grace period, as its
+collectives would fail anyway.
+
 What differs from a cold start: the modules of the preload are already imported (with the environment the server
 started with: this worker's). ``script`` runs a bench script the same way, ``spawn`` is
 ``torch.multiprocessing.spawn`` on the same server. Tests about the command's own start-up — its warnings, the
@@ -40,20 +48,44 @@ def context():
     return _context
 
 
-def _command(script: Optional[str], args: list[str], env: dict[str, str], cwd: str, out: str, err: str,
-             max_file_bytes: Optional[int]) -> None:
+class _Inherited:
+    """An open file descriptor handed to a forked process (what ``Popen`` children inherit): sent over the
+    forkserver's socket when pickled for it (``multiprocessing.reduction.DupFd``), an ``int`` again in the child."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _command(script: Optional[str], args: list[str], env: dict[str, str], cwd: str, out, err,
+             max_file_bytes: Optional[int], job: str, server: str, rank0: Optional[int] = None) -> None:
     """The forked child: become ``python -m posttrain *args`` (``python script *args`` when ``script`` is given)
-    started in a new session, then exit as it would."""
-    os.setsid()  # its own process group: a kill of the job takes the ranks it starts, and nothing else
+    started in a new session, then exit as it would. ``out``/``err``: paths to create, or descriptors to share (a
+    rank the command started: ``rank0`` is the pid of the rank that started it)."""
+    os.setsid()  # its own process group: a kill of the job takes the processes it starts, and nothing else
     if max_file_bytes is not None:  # as on a full disk: a write past it fails with EFBIG instead of a SIGXFSZ kill
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         import resource
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((1, out), (2, err)):
+        if isinstance(target, str):
+            target = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    if rank0 is not None:
+        _leave_without(rank0)
+    _register(job, os.getpid())
+    env = dict(env, POSTTRAIN_TEST_JOB=job)
+    _fork_ranks(server)
     multiprocessing.set_start_method(None, force=True)  # the platform's default, as in a fresh interpreter (a
     # forkserver child inherits "forkserver", under which DataLoader workers would have to pickle their dataset)
     os.environ.clear()
@@ -89,6 +121,130 @@ def _command(script: Optional[str], args: list[str], env: dict[str, str], cwd: s
         os._exit(code)
 
 
+def _register(job: str, pid: int) -> None:
+    with open(os.path.join(job, "pids"), "a") as f:
+        f.write(f"{pid}\n")
+
+
+def _job_pids(job: str) -> list[int]:
+    try:
+        with open(os.path.join(job, "pids")) as f:
+            return [int(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _kill_sessions(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_job() -> None:
+    """SIGKILL the whole job this process belongs to, every rank at once (as when a node goes down)."""
+    job = os.environ.get("POSTTRAIN_TEST_JOB")
+    others = [pid for pid in _job_pids(job) if pid != os.getpid()] if job else []
+    _kill_sessions(others)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _leave_without(rank0: int, grace: float = 10.0) -> None:
+    """A started rank exits (status 1) ``grace`` seconds after its rank 0 is gone."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(rank0, 0)
+            except ProcessLookupError:
+                time.sleep(grace)
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="rank-0-watch").start()
+
+
+class _Rank:
+    """What Lightning's launcher keeps of a rank it started: ``subprocess.Popen``'s ``pid``, ``returncode``,
+    ``poll``, ``wait``, ``send_signal``, ``terminate`` and ``kill``, on a forked process."""
+
+    def __init__(self, process):
+        self._process = process
+        self.pid = process.pid
+        self.args = None
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        from multiprocessing.connection import wait
+
+        if self.poll() is None and not wait([self._process.sentinel], timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _fork_ranks(server: str) -> None:
+    """In a forked command: the ranks its Lightning launcher starts, and the processes a bench script starts with
+    ``torch.multiprocessing.spawn``, are forked from the same server."""
+    import functools
+    import types
+    from multiprocessing import forkserver, process
+
+    import torch.multiprocessing
+
+    forkserver._forkserver._forkserver_address = server  # the alive and resource-tracker fds come with the fork
+    forkserver._forkserver.ensure_running = lambda: None
+    torch.multiprocessing.spawn = functools.partial(torch.multiprocessing.start_processes, start_method="forkserver")
+
+    def popen(command, env=None, cwd=None, **kwargs):
+        command = list(command)
+        if kwargs or command[:3] != [sys.executable, "-m", "posttrain.__main__"]:  # ``-m __main__.__spec__.name``
+            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        job = os.environ["POSTTRAIN_TEST_JOB"]
+        rank = context().Process(target=_command, args=(
+            None, command[3:], dict(os.environ if env is None else env), cwd or os.getcwd(), _Inherited(1),
+            _Inherited(2), None if limit == resource.RLIM_INFINITY else limit, job, server, os.getpid()))
+        rank.start()
+        process._children.discard(rank)  # not joined at exit: a Popen child is not waited for either
+        _register(job, rank.pid)
+        handle = _Rank(rank)
+        handle.args = command
+        return handle
+
+    shim = types.SimpleNamespace(**{name: getattr(subprocess, name) for name in dir(subprocess)
+                                    if not name.startswith("__")})
+    shim.Popen = popen
+    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
+    from lightning.pytorch.strategies.launchers import subprocess_script as launcher
+
+    launcher.subprocess = shim
+    fabric_launcher.subprocess = shim
+
+
 def posttrain(*args: str, cwd: str, env: Optional[dict[str, str]] = None, timeout: float = 600,
               max_file_bytes: Optional[int] = None, script: Optional[str] = None) -> subprocess.CompletedProcess:
     """``python -m posttrain *args`` (``python script *args`` with ``script``: a bench) run to its end, as
@@ -97,18 +253,22 @@ def posttrain(*args: str, cwd: str, env: Optional[dict[str, str]] = None, timeou
     env = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="posttrain-command-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = context().Process(target=_command,
-                                    args=(script, list(args), env, str(cwd), out, err, max_file_bytes))
+        process = context().Process(target=_command, args=(
+            script, list(args), env, str(cwd), out, err, max_file_bytes, folder, _server_address()))
         process.start()
         process.join(timeout)
         if process.exitcode is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_sessions(sorted(set(_job_pids(folder)) | {process.pid}))
             process.join()
             raise subprocess.TimeoutExpired(["posttrain", *args], timeout, output=read(out), stderr=read(err))
         return subprocess.CompletedProcess(["posttrain", *args], process.exitcode, read(out), read(err))
+
+
+def _server_address() -> str:
+    from multiprocessing import forkserver
+
+    forkserver._forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_address
 
 
 def script(path: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
