@@ -276,6 +276,16 @@ def script(path: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
     return posttrain(*args, script=path, **kwargs)
 
 
+def forked_spawn(fn, args: tuple = (), nprocs: int = 1, join: bool = True, **kwargs):
+    """What ``torch.multiprocessing.spawn`` is, with its processes forked from this worker's server (a test sets it
+    in place of ``torch.multiprocessing.spawn`` for code under test that spawns)."""
+    import torch.multiprocessing
+
+    context()
+    return torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=join,
+                                                 **{**kwargs, "start_method": "forkserver"})
+
+
 def spawn(fn, args: tuple, nprocs: int) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` with its processes forked from the same server (``fn`` is
     called as ``fn(rank, *args)``; an exception in any process is raised here)."""

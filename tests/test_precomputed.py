@@ -10,6 +10,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
+import launch
+
 from posttrain.datamodules.precomputed import PrecomputedVideos
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.tools.preprocess import preprocess
@@ -68,9 +70,10 @@ def test_training_on_precomputed_rows_is_bitwise_training_on_the_fly(tmp_path):
     assert not different, f"weights differ after 3 steps: {different[:3]}"
 
 
-def test_two_processes_write_one_shard_each_with_the_same_rows(tmp_path):
+def test_two_processes_write_one_shard_each_with_the_same_rows(tmp_path, monkeypatch):
     """Each process takes half the cores, and the VAE's CPU kernels then sum in another order: latents agree
     to float32 rounding (bitwise equality holds at equal threads, as in the test above); text rows exactly."""
+    monkeypatch.setattr(torch.multiprocessing, "spawn", launch.forked_spawn)  # processes forked, not cold
     config = small_config(tmp_path)
     assert "train 16, val 4 rows (2 processes)" in preprocess(config, str(tmp_path / "two"), processes=2)
     preprocess(config, str(tmp_path / "one"))
