@@ -207,7 +207,6 @@ class _Rank:
 def _fork_ranks(server: str) -> None:
     """In a forked command: the ranks its Lightning launcher starts, and the processes a bench script starts with
     ``torch.multiprocessing.spawn``, are forked from the same server."""
-    import functools
     import types
     from multiprocessing import forkserver, process
 
@@ -215,7 +214,7 @@ def _fork_ranks(server: str) -> None:
 
     forkserver._forkserver._forkserver_address = server  # the alive and resource-tracker fds come with the fork
     forkserver._forkserver.ensure_running = lambda: None
-    torch.multiprocessing.spawn = functools.partial(torch.multiprocessing.start_processes, start_method="forkserver")
+    torch.multiprocessing.spawn = forked_spawn
 
     def popen(command, env=None, cwd=None, **kwargs):
         command = list(command)
