@@ -212,6 +212,26 @@ def test_sync_plan_follows_a_module_the_card_replaced():
     assert all(torch.equal(t, old_before[n]) for n, t in old.state_dict().items())
 
 
+# ---------------------------------------------------------------------- gradient_noise.py
+def test_gradient_noise_scale_recovers_a_known_one():
+    """Gradients g_i = G + unit noise in P dimensions have B = P / |G|² exactly: the estimate lands near it, its
+    interval holds it, the cosine of two draws is about 1 / (1 + B), and pure noise gives an interval open to ∞."""
+    import gradient_noise
+
+    gen = torch.Generator().manual_seed(0)
+    P = 4000
+    G = torch.randn(P, generator=gen, dtype=torch.float64) * 0.1  # |G|² ≈ 40: B ≈ 100
+    true_B = P / (G ** 2).sum().item()
+    grads = G + torch.randn(200, P, generator=gen, dtype=torch.float64)
+    B, trace, _ = gradient_noise.noise_scale(grads)
+    low, high = gradient_noise.interval(grads)
+    assert trace == pytest.approx(P, rel=0.02)
+    assert B == pytest.approx(true_B, rel=0.25) and low <= true_B <= high < 2 * true_B
+    assert gradient_noise.mean_cosine(grads) == pytest.approx(1 / (1 + true_B), rel=0.3)
+    noise = torch.randn(40, P, generator=gen, dtype=torch.float64)
+    assert gradient_noise.interval(noise)[1] == float("inf")
+
+
 # ---------------------------------------------------------------------- the benches run
 def run_bench(script: str, *args: str, timeout: int = 600) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
@@ -314,3 +334,11 @@ def test_distill_windows_end_on_each_latent_frame():
     video = torch.arange(21.0).view(1, 1, 21, 1, 1).expand(2, 3, 21, 2, 2)
     parts = distill.windows(video)
     assert [p[0, 0, :, 0, 0].tolist() for p in parts] == [[4.0 * (p - 1) + i for i in range(5)] for p in range(1, 6)]
+
+
+def test_gradient_noise_bench_runs():
+    """bench/gradient_noise.py on both shipped caption-RL configs at learning rate 0, 6 iterations each."""
+    out = run_bench("bench/gradient_noise.py", "--iterations", "6", "--set", "trainer.log_every_n_steps=1")
+    assert "| diffusion_nft " in out and "| flow_grpo " in out
+    assert "flow_grpo: noise scale in rollouts" in out
+
