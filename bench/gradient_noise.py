@@ -61,28 +61,36 @@ class Gradients(Callback):
             self.handle.remove()
 
 
-def noise_scale(grads: torch.Tensor) -> tuple[float, float, float]:
-    """(B in iterations, tr Σ, |G|²) of n per-iteration gradients (n, P); B = ∞ when |G|² ≤ 0."""
-    n = len(grads)
-    mean = grads.mean(0)
-    trace = ((grads - mean) ** 2).sum().item() / (n - 1)
-    signal = (mean ** 2).sum().item() - trace / n
+def _scale(gram: torch.Tensor) -> tuple[float, float, float]:
+    """(B, tr Σ, |G|²) from the Gram matrix of n gradients (all the estimates need are their dot products)."""
+    n = len(gram)
+    squared_mean = gram.sum().item() / n ** 2  # |ḡ|²
+    trace = (gram.diagonal().sum().item() - n * squared_mean) / (n - 1)  # Σ|g_i − ḡ|² / (n − 1)
+    signal = squared_mean - trace / n
     return (trace / signal if signal > 0 else math.inf), trace, signal
 
 
+def noise_scale(grads: torch.Tensor) -> tuple[float, float, float]:
+    """(B in iterations, tr Σ, |G|²) of n per-iteration gradients (n, P); B = ∞ when |G|² ≤ 0."""
+    return _scale(grads @ grads.T)
+
+
 def mean_cosine(grads: torch.Tensor) -> float:
-    unit = grads / grads.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    gram = unit @ unit.T
+    gram = grads @ grads.T
+    norms = gram.diagonal().clamp_min(1e-300).sqrt()
+    cosines = gram / norms[:, None] / norms[None, :]
     n = len(grads)
-    return ((gram.sum() - gram.diagonal().sum()) / (n * (n - 1))).item()
+    return ((cosines.sum() - cosines.diagonal().sum()) / (n * (n - 1))).item()
 
 
 def interval(grads: torch.Tensor) -> tuple[float, float]:
     """B's range for |G|² within two jackknife standard errors (leave one iteration out); tr Σ held at its
     estimate (its own error is small beside |G|²'s). ∞ at the top when |G|² cannot be told from 0."""
-    n = len(grads)
-    _, trace, signal = noise_scale(grads)
-    leave_out = [noise_scale(torch.cat([grads[:i], grads[i + 1:]]))[2] for i in range(n)]
+    gram = grads @ grads.T
+    n = len(gram)
+    _, trace, signal = _scale(gram)
+    keep = [torch.tensor([j for j in range(n) if j != i]) for i in range(n)]
+    leave_out = [_scale(gram[k][:, k])[2] for k in keep]
     mean = sum(leave_out) / n
     se = math.sqrt((n - 1) / n * sum((x - mean) ** 2 for x in leave_out))
     low = trace / (signal + 2 * se)
