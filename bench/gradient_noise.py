@@ -22,8 +22,11 @@ B's interval takes |G|² within two jackknife standard errors (leave one iterati
 The last line is each config's noise scale in rollouts against the first config's (the baseline, same run).
 
     OMP_NUM_THREADS=1 python bench/gradient_noise.py                         # diffusion_nft vs flow_grpo, 48 it.
-    OMP_NUM_THREADS=1 python bench/gradient_noise.py --configs diffusion_nft flow_grpo --set-for flow_grpo \
-        model.init_args.reward.init_args.total=all                           # one config's own overrides
+    OMP_NUM_THREADS=1 python bench/gradient_noise.py --configs diffusion_nft flow_grpo@2x4 flow_grpo \
+        --set-for flow_grpo@2x4 data.init_args.batch_size=2 model.init_args.grpo.num_samples_per_prompt=4 \
+        model.init_args.reward.init_args.total=mean                          # flow_grpo's earlier 2 x 4 beside it
+
+A run is a config of configs/ with an optional ``@label`` (the same config twice, each with its own ``--set-for``).
 """
 from __future__ import annotations
 
@@ -97,7 +100,8 @@ def interval(grads: torch.Tensor) -> tuple[float, float]:
     return low, (trace / (signal - 2 * se) if signal - 2 * se > 0 else math.inf)
 
 
-def measure(config: str, iterations: int, seed: int, overrides: list[str]) -> dict:
+def measure(run: str, iterations: int, seed: int, overrides: list[str]) -> dict:
+    config = run.split("@")[0]
     with tempfile.TemporaryDirectory() as root:
         zero = ["model.init_args.card.experts.transformer.optimizer.init_args.lr=0.0",
                 "model.init_args.card.experts.transformer.grad_clip=1.0e+30", f"trainer.max_steps={iterations}",
@@ -117,7 +121,7 @@ def measure(config: str, iterations: int, seed: int, overrides: list[str]) -> di
                          f"all score alike has no advantage and makes no step): raise --iterations")
     grads = torch.stack(gradients.grads)
     B, trace, signal = noise_scale(grads)
-    return dict(config=config, steps=len(grads), iterations=iterations, rollouts=rollouts, B=B, trace=trace,
+    return dict(config=run, steps=len(grads), iterations=iterations, rollouts=rollouts, B=B, trace=trace,
                 signal=signal, cos=mean_cosine(grads), interval=interval(grads), cpu=cpu)
 
 
@@ -128,12 +132,12 @@ def fmt(x: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=["diffusion_nft", "flow_grpo"],
-                        help="configs in configs/; the first is the baseline of the ratio")
+                        help="configs in configs/, each with an optional @label; the first is the baseline of the ratio")
     parser.add_argument("--iterations", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", nargs="*", default=[], help="overrides for every config, e.g. data.init_args.batch_size=2")
-    parser.add_argument("--set-for", nargs="+", action="append", default=[], metavar=("CONFIG", "KEY=VALUE"),
-                        help="overrides for one config (repeatable)")
+    parser.add_argument("--set-for", nargs="+", action="append", default=[], metavar=("CONFIG[@LABEL]", "KEY=VALUE"),
+                        help="overrides for one run of --configs (repeatable)")
     args = parser.parse_args()
     own = {entry[0]: entry[1:] for entry in args.set_for}
     results = [measure(c, args.iterations, args.seed, args.set + own.get(c, [])) for c in args.configs]

@@ -27,7 +27,8 @@ rollouts and evaluations, no learning.
 
 Each run is saved as ``<out>/<method>_s<seed>.json`` (``_control``) and skipped when present (``--rerun``
 redoes it), so a re-run after a config changes redoes only ``--rerun --methods <it>``. Writes
-``<out>/rl_compare.md`` and ``docs/rl/rl_compare.png`` (with the table beside it, ``docs/rl/rl_compare.md``).
+``<out>/rl_compare.md`` and ``docs/rl/rl_compare.png`` (with the table beside it, named after the PNG:
+``docs/rl/rl_compare.md``).
 """
 from __future__ import annotations
 
@@ -355,10 +356,13 @@ def plot(runs, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     panels = [("requests", "seen/all", "request-GenEval, held-out requests (all asked facts)"),
               ("requests", "paraphrase/all", "request-GenEval, held-out paraphrases"),
               ("captions", "caption/all", "caption GenEval (generator alone, all four facts)")]
+    if not any(METHODS[name].kind == "requests" for name, _ in runs):  # caption methods only: their one panel
+        panels = panels[2:]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.8 * len(panels), 4.8), squeeze=False)
+    axes = axes[0]
     for ax, (kind, key, title) in zip(axes, panels):
         for i, (name, method) in enumerate(METHODS.items()):
             trained = runs.get((name, False))
@@ -376,7 +380,7 @@ def plot(runs, png: str) -> None:
         ax.set_xlabel("rollouts (videos generated)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy")
-    axes[2].legend(fontsize=7, loc="best")
+    axes[-1].legend(fontsize=7, loc="best")
     controls = any(control for _, control in runs)
     fig.suptitle("posttrain RL on the synthetic world: mean over seeds, band = min–max"
                  + (", dotted = learning rate 0" if controls else " (no learning-rate-0 control run)"), fontsize=10)
@@ -417,8 +421,9 @@ def main() -> None:
                 json.dump(result, f, indent=1)
             os.replace(path + ".tmp", path)
     table = report(args.out, args.png)
-    for folder in (args.out, os.path.dirname(args.png)):  # the run folder and, beside the PNG, docs/rl/
-        with open(os.path.join(folder, "rl_compare.md"), "w") as f:
+    beside_png = os.path.splitext(args.png)[0] + ".md"  # docs/rl/rl_compare.png -> docs/rl/rl_compare.md
+    for path in (os.path.join(args.out, "rl_compare.md"), beside_png):
+        with open(path, "w") as f:
             f.write(table + "\n")
     print(table)
     print(f"\n(bench wall time {time.time() - start:.0f} s; {args.png})")
