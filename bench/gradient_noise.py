@@ -55,7 +55,7 @@ class Gradients(Callback):
         optimizer = module.optimizer_of(self.expert)
 
         def record(_optimizer, _args, _kwargs):
-            self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
+            self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
                                          for p in params]))
         self.handle = optimizer.register_step_pre_hook(record)
 
@@ -73,13 +73,24 @@ def _scale(gram: torch.Tensor) -> tuple[float, float, float]:
     return (trace / signal if signal > 0 else math.inf), trace, signal
 
 
+def gram_of(grads: torch.Tensor, rows: int = 32) -> torch.Tensor:
+    """(n, n) float64 dot products of n gradients (n, P), in float64 a block of rows at a time (memory)."""
+    out = torch.zeros(len(grads), len(grads), dtype=torch.float64)
+    blocks = [grads[i:i + rows].double() for i in range(0, len(grads), rows)]
+    for i, a in enumerate(blocks):
+        for j, b in enumerate(blocks[i:], start=i):
+            out[i * rows:i * rows + len(a), j * rows:j * rows + len(b)] = a @ b.T
+            out[j * rows:j * rows + len(b), i * rows:i * rows + len(a)] = (a @ b.T).T
+    return out
+
+
 def noise_scale(grads: torch.Tensor) -> tuple[float, float, float]:
     """(B in iterations, tr Σ, |G|²) of n per-iteration gradients (n, P); B = ∞ when |G|² ≤ 0."""
-    return _scale(grads @ grads.T)
+    return _scale(gram_of(grads))
 
 
 def mean_cosine(grads: torch.Tensor) -> float:
-    gram = grads @ grads.T
+    gram = gram_of(grads)
     norms = gram.diagonal().clamp_min(1e-300).sqrt()
     cosines = gram / norms[:, None] / norms[None, :]
     n = len(grads)
@@ -89,7 +100,7 @@ def mean_cosine(grads: torch.Tensor) -> float:
 def interval(grads: torch.Tensor) -> tuple[float, float]:
     """B's range for |G|² within two jackknife standard errors (leave one iteration out); tr Σ held at its
     estimate (its own error is small beside |G|²'s). ∞ at the top when |G|² cannot be told from 0."""
-    gram = grads @ grads.T
+    gram = gram_of(grads)
     n = len(gram)
     _, trace, signal = _scale(gram)
     keep = [torch.tensor([j for j in range(n) if j != i]) for i in range(n)]
