@@ -382,8 +382,10 @@ def plot(runs, png: str) -> None:
     axes[0].set_ylabel("accuracy")
     axes[-1].legend(fontsize=7, loc="best")
     controls = any(control for _, control in runs)
+    joiner = ", " if len(panels) > 1 else "\n"  # one panel: the title on two lines, within the figure
     fig.suptitle("posttrain RL on the synthetic world: mean over seeds, band = min–max"
-                 + (", dotted = learning rate 0" if controls else " (no learning-rate-0 control run)"), fontsize=10)
+                 + (f"{joiner}dotted = learning rate 0" if controls else f"{joiner}(no learning-rate-0 control run)"),
+                 fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png), exist_ok=True)
     fig.savefig(png, dpi=110)
