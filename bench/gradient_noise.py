@@ -64,49 +64,49 @@ class Gradients(Callback):
             self.handle.remove()
 
 
-def _scale(gram: torch.Tensor) -> tuple[float, float, float]:
-    """(B, tr Σ, |G|²) from the Gram matrix of n gradients (all the estimates need are their dot products)."""
-    n = len(gram)
-    squared_mean = gram.sum().item() / n ** 2  # |ḡ|²
-    trace = (gram.diagonal().sum().item() - n * squared_mean) / (n - 1)  # Σ|g_i − ḡ|² / (n − 1)
-    signal = squared_mean - trace / n
-    return (trace / signal if signal > 0 else math.inf), trace, signal
-
-
 def gram_of(grads: torch.Tensor, rows: int = 32) -> torch.Tensor:
-    """(n, n) float64 dot products of n gradients (n, P), in float64 a block of rows at a time (memory)."""
+    """(n, n) float64 dot products of n gradients (n, P), a block of rows at a time (float64 copies stay small).
+    Every estimate below needs only these."""
     out = torch.zeros(len(grads), len(grads), dtype=torch.float64)
     blocks = [grads[i:i + rows].double() for i in range(0, len(grads), rows)]
     for i, a in enumerate(blocks):
         for j, b in enumerate(blocks[i:], start=i):
-            out[i * rows:i * rows + len(a), j * rows:j * rows + len(b)] = a @ b.T
-            out[j * rows:j * rows + len(b), i * rows:i * rows + len(a)] = (a @ b.T).T
+            block = a @ b.T
+            out[i * rows:i * rows + len(a), j * rows:j * rows + len(b)] = block
+            out[j * rows:j * rows + len(b), i * rows:i * rows + len(a)] = block.T
     return out
 
 
-def noise_scale(grads: torch.Tensor) -> tuple[float, float, float]:
-    """(B in iterations, tr Σ, |G|²) of n per-iteration gradients (n, P); B = ∞ when |G|² ≤ 0."""
-    return _scale(gram_of(grads))
+def _estimates(total: torch.Tensor, diagonal: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tr Σ, |G|²) of n gradients from the sum of all their dot products and the sum of their squared norms."""
+    squared_mean = total / n ** 2  # |ḡ|²
+    trace = (diagonal - n * squared_mean) / (n - 1)  # Σ|g_i − ḡ|² / (n − 1)
+    return trace, squared_mean - trace / n
 
 
-def mean_cosine(grads: torch.Tensor) -> float:
-    gram = gram_of(grads)
+def noise_scale(gram: torch.Tensor) -> tuple[float, float, float]:
+    """(B in iterations, tr Σ, |G|²) of the n gradients of ``gram`` (``gram_of``); B = ∞ when |G|² ≤ 0."""
+    trace, signal = (x.item() for x in _estimates(gram.sum(), gram.diagonal().sum(), len(gram)))
+    return (trace / signal if signal > 0 else math.inf), trace, signal
+
+
+def mean_cosine(gram: torch.Tensor) -> float:
+    """The mean cosine between two different gradients of ``gram``."""
     norms = gram.diagonal().clamp_min(1e-300).sqrt()
     cosines = gram / norms[:, None] / norms[None, :]
-    n = len(grads)
+    n = len(gram)
     return ((cosines.sum() - cosines.diagonal().sum()) / (n * (n - 1))).item()
 
 
-def interval(grads: torch.Tensor) -> tuple[float, float]:
+def interval(gram: torch.Tensor) -> tuple[float, float]:
     """B's range for |G|² within two jackknife standard errors (leave one iteration out); tr Σ held at its
     estimate (its own error is small beside |G|²'s). ∞ at the top when |G|² cannot be told from 0."""
-    gram = gram_of(grads)
     n = len(gram)
-    _, trace, signal = _scale(gram)
-    keep = [torch.tensor([j for j in range(n) if j != i]) for i in range(n)]
-    leave_out = [_scale(gram[k][:, k])[2] for k in keep]
-    mean = sum(leave_out) / n
-    se = math.sqrt((n - 1) / n * sum((x - mean) ** 2 for x in leave_out))
+    _, trace, signal = noise_scale(gram)
+    # without gradient i: the dot products' sum loses its row and column, the squared norms lose G_ii
+    diagonal = gram.diagonal()
+    _, leave_out = _estimates(gram.sum() - 2 * gram.sum(1) + diagonal, diagonal.sum() - diagonal, n - 1)
+    se = math.sqrt((n - 1) / n * ((leave_out - leave_out.mean()) ** 2).sum().item())
     low = trace / (signal + 2 * se)
     return low, (trace / (signal - 2 * se) if signal - 2 * se > 0 else math.inf)
 
@@ -130,10 +130,10 @@ def measure(run: str, iterations: int, seed: int, overrides: list[str]) -> dict:
     if len(gradients.grads) < 3:
         raise SystemExit(f"{config}: {len(gradients.grads)} of {iterations} iterations stepped (a group whose samples "
                          f"all score alike has no advantage and makes no step): raise --iterations")
-    grads = torch.stack(gradients.grads)
-    B, trace, signal = noise_scale(grads)
-    return dict(config=run, steps=len(grads), iterations=iterations, rollouts=rollouts, B=B, trace=trace,
-                signal=signal, cos=mean_cosine(grads), interval=interval(grads), cpu=cpu)
+    gram = gram_of(torch.stack(gradients.grads))
+    B, trace, signal = noise_scale(gram)
+    return dict(config=run, steps=len(gram), iterations=iterations, rollouts=rollouts, B=B, trace=trace,
+                signal=signal, cos=mean_cosine(gram), interval=interval(gram), cpu=cpu)
 
 
 def fmt(x: float) -> str:

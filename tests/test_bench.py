@@ -223,13 +223,22 @@ def test_gradient_noise_scale_recovers_a_known_one():
     G = torch.randn(P, generator=gen, dtype=torch.float64) * 0.1  # |G|² ≈ 40: B ≈ 100
     true_B = P / (G ** 2).sum().item()
     grads = G + torch.randn(200, P, generator=gen, dtype=torch.float64)
-    B, trace, _ = gradient_noise.noise_scale(grads)
-    low, high = gradient_noise.interval(grads)
+    gram = gradient_noise.gram_of(grads.float(), rows=64)  # float32 gradients, as the bench keeps them
+    B, trace, _ = gradient_noise.noise_scale(gram)
+    low, high = gradient_noise.interval(gram)
     assert trace == pytest.approx(P, rel=0.02)
     assert B == pytest.approx(true_B, rel=0.25) and low <= true_B <= high < 2 * true_B
-    assert gradient_noise.mean_cosine(grads) == pytest.approx(1 / (1 + true_B), rel=0.3)
+    assert gradient_noise.mean_cosine(gram) == pytest.approx(1 / (1 + true_B), rel=0.3)
+    # the closed-form leave-one-out equals recomputing without each gradient
+    n = 30
+    small = gradient_noise.gram_of(grads[:n])
+    drop = [gradient_noise.noise_scale(small[keep][:, keep])[2]
+            for keep in (torch.tensor([j for j in range(n) if j != i]) for i in range(n))]
+    se = (((torch.tensor(drop) - torch.tensor(drop).mean()) ** 2).sum() * (n - 1) / n).sqrt().item()
+    _, trace30, signal30 = gradient_noise.noise_scale(small)
+    assert gradient_noise.interval(small)[0] == pytest.approx(trace30 / (signal30 + 2 * se), rel=1e-6)
     noise = torch.randn(40, P, generator=gen, dtype=torch.float64)
-    assert gradient_noise.interval(noise)[1] == float("inf")
+    assert gradient_noise.interval(gradient_noise.gram_of(noise))[1] == float("inf")
 
 
 # ---------------------------------------------------------------------- the benches run
@@ -339,6 +348,10 @@ def test_distill_windows_end_on_each_latent_frame():
 def test_gradient_noise_bench_runs():
     """bench/gradient_noise.py on both shipped caption-RL configs at learning rate 0, 6 iterations each."""
     out = run_bench("bench/gradient_noise.py", "--iterations", "6", "--set", "trainer.log_every_n_steps=1")
-    assert "| diffusion_nft " in out and "| flow_grpo " in out
     assert "flow_grpo: noise scale in rollouts" in out
+    for config in ("diffusion_nft", "flow_grpo"):  # gradients were recorded: steps counted, tr Σ > 0
+        row = next(line for line in out.splitlines() if line.startswith(f"| {config} "))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        steps, of = map(int, cells[1].split(" of "))
+        assert 3 <= steps <= of == 6 and float(cells[6]) > 0, row
 
