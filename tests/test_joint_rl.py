@@ -378,3 +378,18 @@ def test_rewrite_and_append_modes_both_train(mode):
     refinements, _ = m.refine(PROMPTS[:2], seed=0)
     for prompt, text, got in zip(PROMPTS, refinements["refiner_0"], served):
         assert got == (text.strip() if mode == "rewrite" else ", ".join([prompt] + [text.strip()] * bool(text.strip())))
+
+
+def test_predict_serves_through_the_refiners():
+    """``posttrain predict`` on a joint_rl config: ``predict_step`` (the base's, which hands ``generate`` the batch's
+    images) returns one video per request, generated from what the refiners wrote (``served``)."""
+    m = method(1)
+    m.configure_model()
+    m.eval()
+    requests = ["a red circle", "a blue square"]
+    out = m.predict_step({"prompt": requests, "index": torch.arange(2)}, 0)
+    assert out["prompts"] == requests and out["videos"].shape[0] == 2 and torch.isfinite(out["videos"]).all()
+    assert set(m.served) == set(requests)
+    _, served = m.refine(requests, seed=0)
+    assert [m.served[r] for r in requests] == served  # the same seeded refinements serve
+
