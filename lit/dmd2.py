@@ -12,7 +12,9 @@ normalized per sample. The critic steps every iteration; the student only on eve
 two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
 on the critic's last-block features (``modules/gan.py``) learns teacher samples (real) from the student's (fake),
 both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
-critic and head (``gan_generator_weight``). Math: METHODS.md (dmd2), ``modules/losses.py``.
+critic and head (``gan_generator_weight``). With ``regression_weight`` > 0, the first DMD's regression loss: the
+student's first step maps a teacher pair's noise to the teacher's sample from it. Math: METHODS.md (dmd2),
+``modules/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
 Diffusion", reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; METHODS.md
@@ -73,13 +75,18 @@ class DMD2(ExpertModule):
         gan_critic_weight: weight of the head's real-vs-fake loss in the critic's update (DMD2's
             ``guidance_cls_loss_weight``, anchor 1e-2); real = teacher samples of the batch's prompts, fake = the
             student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
+        regression_weight: weight of DMD's regression loss (Yin et al. 2023, the first DMD): the student's first
+            step from a teacher pair's noise regresses onto the teacher's sample from that noise (latent MSE), added
+            to the student's loss; 0 = off (DMD2's choice at ImageNet scale). Not for a chunked student.
+        regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
         run: size of generated videos, seed, NaN tolerance.
     """
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, student_steps: int = 4,
                  backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
-                 gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, run: Optional[RunArgs] = None):
+                 gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
+                 regression_pairs: int = 4, run: Optional[RunArgs] = None):
         problems = []
         sampler = sampler or FlowMatchSampler(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
@@ -116,6 +123,13 @@ class DMD2(ExpertModule):
         elif gan_generator_weight > 0 and gan_critic_weight == 0:
             problems.append(f"gan_generator_weight={gan_generator_weight} needs gan_critic_weight > 0: the head the "
                             f"student is scored by never learns otherwise (DMD2 anchor 1e-2)")
+        if regression_weight < 0 or regression_pairs < 1:
+            problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
+                            f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
+        elif regression_weight > 0 and sampler.chunk_frames is not None:
+            problems.append(f"regression_weight={regression_weight} regresses the student's first step over the whole "
+                            f"video, but sampler.chunk_frames={sampler.chunk_frames} rolls it out chunk by chunk "
+                            f"(Self-Forcing): set regression_weight: 0")
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
@@ -123,7 +137,9 @@ class DMD2(ExpertModule):
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
-        self._teacher_bank: dict[str, torch.Tensor] = {}  # prompt -> one teacher sample (C, F, h, w), see below
+        self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
+        # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
+        self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def gan(self) -> bool:
@@ -157,7 +173,8 @@ class DMD2(ExpertModule):
 
         # 3. student, every N-th iteration: DMD gradient (fake - real) / mean|x̂0 - real| at a random σ;
         #    teacher (its sampler's CFG) and critic run without grad, the loss reaches the student only. With the
-        #    GAN term the critic runs as a constant with grad to its input, and its head scores x̂0: softplus(-logit)
+        #    GAN term the critic runs as a constant with grad to its input, and its head scores x̂0: softplus(-logit).
+        #    With the regression term, the first step from a teacher pair's noise regresses onto its sample
         if update_student:
             sigma = self.score_sigmas(len(prompts))
             eps = torch.randn(x0.shape, generator=self.generator).to(x0)
@@ -176,6 +193,13 @@ class DMD2(ExpertModule):
             per_sample, metrics = dmd_generator_loss(x0, x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
             loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
+            if self.regression_weight > 0:  # DMD's regression: the first step maps a teacher pair's noise to its sample
+                pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
+                noise, target = self.teacher_pairs(prompts, pairs)
+                regression = (self.student_x0_from(target, noise, 0, cond).float() - target).pow(2)
+                regression = regression.mean(dim=tuple(range(1, regression.ndim)))
+                loss = loss + self.regression_weight * regression.to(per_sample).mean()
+                self.log(f"train/regression_loss/{self.student}", regression.detach().mean(), on_step=True)
             self.step_experts(loss, [self.student])
             self.log(f"train/loss/{self.student}", loss.detach(), on_step=True)
             for key, value in metrics.items():
@@ -248,21 +272,29 @@ class DMD2(ExpertModule):
             v = self.sampler.velocity(student, x, schedule.timesteps[step], cond)
         return x0_from_velocity(x, v, sigma)
 
-    @torch.no_grad()
     def teacher_samples(self, prompts: list[str]) -> torch.Tensor:
-        """(B, C, F, h, w) one teacher sample (its sampler: many steps, CFG) per prompt: the GAN's real samples and,
-        without backward simulation, the student's inputs. Drawn once per prompt, one prompt at a time, from noise
-        seeded by the prompt's text and ``run.seed`` (its own stream: the run's noise is not drawn from), so the
-        same prompt always has the same sample and a resumed run recomputes exactly what it had."""
-        for prompt in dict.fromkeys(prompts):
-            if prompt not in self._teacher_bank:
-                digest = int(hashlib.sha256(prompt.encode()).hexdigest()[:12], 16)
+        """(B, C, F, h, w) one teacher sample per prompt (its pair 0, ``teacher_pairs``): the GAN's real samples and,
+        without backward simulation, the student's inputs."""
+        return self.teacher_pairs(prompts, [0] * len(prompts))[1]
+
+    @torch.no_grad()
+    def teacher_pairs(self, prompts: list[str], pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(noise, sample), each (B, C, F, h, w): pair ``pairs[i]`` of prompt ``prompts[i]``, the teacher's sample
+        (its sampler: many steps, CFG) from that noise. Drawn once, one at a time, from noise seeded by the prompt's
+        text, the pair's index and ``run.seed`` (its own stream: the run's noise is not drawn from), so the same
+        pair is always the same and a resumed run recomputes exactly what it had. DMD's regression loss maps noise
+        to sample (the teacher's ODE); pair 0 is also the GAN's real sample of the prompt."""
+        for prompt, j in dict.fromkeys(zip(prompts, pairs)):
+            if (prompt, j) not in self._teacher_bank:
+                text = prompt if j == 0 else f"{prompt}\x00{j}"
+                digest = int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
                 rng = torch.Generator().manual_seed(self.run.seed * 1_000_003 + digest)
                 noise = torch.randn((1, *self.stage.latent_shape(self.video)), generator=rng).to(self.device)
                 cond, uncond = self.conditioning([prompt], self.teacher_sampler)
-                self._teacher_bank[prompt] = self.stage.sample(self.teacher_sampler, noise, cond, uncond,
-                                                               name=self.teacher, rng=rng).latents[0]
-        return torch.stack([self._teacher_bank[p] for p in prompts])
+                sample = self.stage.sample(self.teacher_sampler, noise, cond, uncond, name=self.teacher, rng=rng)
+                self._teacher_bank[prompt, j] = (noise[0], sample.latents[0])
+        chosen = [self._teacher_bank[key] for key in zip(prompts, pairs)]
+        return torch.stack([n for n, _ in chosen]), torch.stack([x for _, x in chosen])
 
 
 def student_sampler(sampler: FlowMatchSampler, steps: int) -> FlowMatchSampler:
