@@ -73,7 +73,9 @@ class Expert:
     init_from: Optional[str] = None
     # diffusers attention backend of a diffusers model (e.g. "flash", "_native_cudnn", "native"); None keeps SDPA
     attention_backend: Optional[str] = None
-    compile: bool = False  # torch.compile the module in place (state dict unchanged)
+    # torch.compile in place (state dict unchanged): the model's forward; a VAE's encoder and decoder, which its
+    # encode/decode call (they never call its forward)
+    compile: bool = False
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -207,7 +209,7 @@ class ModelCard(nn.Module):
             if spec.attention_backend is not None:
                 model.set_attention_backend(spec.attention_backend)
             if spec.compile:
-                model.compile()
+                compile_in_place(model)
             self.models[name] = model
             if not spec.trainable:
                 freeze(model)
@@ -347,6 +349,15 @@ class Routed:
 
 
 @torch.no_grad()
+def compile_in_place(model: nn.Module) -> None:
+    """``nn.Module.compile`` what serving runs: an autoencoder's ``encoder`` and ``decoder`` (diffusers' ``encode`` and
+    ``decode`` call them, never the VAE's own forward, so compiling that would change nothing), else the forward."""
+    parts = [getattr(model, name) for name in ("encoder", "decoder")
+             if hasattr(model, "decode") and isinstance(getattr(model, name, None), nn.Module)]
+    for part in parts or [model]:
+        part.compile()
+
+
 def copy_weights(source: nn.Module, target: nn.Module, what: str) -> None:
     """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
 

@@ -161,3 +161,21 @@ def test_bad_generator_input_is_a_clear_error():
         i2v.generate(PROMPTS)
     with pytest.raises(ValueError, match=r"conditioning images are 32x32 px but the video is 16x16"):
         i2v.generate(PROMPTS, images=torch.zeros(2, 3, 32, 32))
+
+
+# torch 2.13's own inductor import (torch/utils/mkldnn.py) calls the deprecated torch.jit.script_method: not ours
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_compiles_what_serving_runs():
+    """``compile: true`` on an expert: a VAE's encoder and decoder are compiled (diffusers' ``encode``/``decode`` call
+    them and never the VAE's forward, so compiling the forward would leave decoding eager), a transformer's forward
+    is; weights and state dict keys are unchanged. (Whether it pays: bench/distill.py --compile-decode.)"""
+    plain = ModelCard({"vae": Expert(arch="wan_vae"), "transformer": Expert(arch="wan_t2v")})
+    plain.build()
+    card = ModelCard({"vae": Expert(arch="wan_vae", compile=True), "transformer": Expert(arch="wan_t2v", compile=True)})
+    card.build()
+    vae, transformer = card.models["vae"], card.models["transformer"]
+    assert vae.decoder._compiled_call_impl is not None and vae.encoder._compiled_call_impl is not None
+    assert vae._compiled_call_impl is None  # its forward is not what decode runs
+    assert transformer._compiled_call_impl is not None
+    for name in ("vae", "transformer"):
+        assert list(card.models[name].state_dict()) == list(plain.models[name].state_dict())
