@@ -348,7 +348,6 @@ class Routed:
         return type(self.model)
 
 
-@torch.no_grad()
 def compile_in_place(model: nn.Module) -> None:
     """``nn.Module.compile`` what serving runs: an autoencoder's ``encoder`` and ``decoder`` (diffusers' ``encode`` and
     ``decode`` call them, never the VAE's own forward, so compiling that would change nothing), else the forward."""
@@ -358,6 +357,7 @@ def compile_in_place(model: nn.Module) -> None:
         part.compile()
 
 
+@torch.no_grad()
 def copy_weights(source: nn.Module, target: nn.Module, what: str) -> None:
     """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
 
