@@ -15,6 +15,7 @@ its samples come to the teacher's many-step CFG samples, before and after ``fit`
     python bench/distill.py                          # configs/dmd2.yaml, a few minutes on 2 CPU cores
     python bench/distill.py --config configs/self_forcing.yaml --grid docs/distill/self_forcing.png
     python bench/distill.py --steps 100 --prompts 32
+    python bench/distill.py --students 2 --compile-decode    # also time with the VAE's decoder compiled
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from timing import compare, interleave  # noqa: E402
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # noqa: E402
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
+from posttrain.modules.cards import compile_in_place  # noqa: E402
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
 from posttrain.modules.geneval import SyntheticGenEval  # noqa: E402
 from posttrain.modules.media import grid  # noqa: E402
@@ -287,6 +289,10 @@ def main() -> None:
     parser.add_argument("--students", type=int, nargs="+", default=None,
                         help="DMD2: train one student per step count (e.g. 1 2 4) and report a row each, on held-out "
                              "prompts and noise (students())")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="with --students: also time both sides with the VAE's decoder compiled (torch.compile, as "
+                             "an expert's `compile: true` does), after the eager timing; the evaluation then decodes "
+                             "with it too")
     parser.add_argument("--per-chunk", action="store_true", help="Self-Forcing: scores per window position and past "
                         "the clip (plain and rolling KV cache), over --seeds fits (self_forcing_bench)")
     parser.add_argument("--control", action="store_true", help="with --per-chunk: also a zero student lr fit")
@@ -395,7 +401,7 @@ def students(args, overrides: list[str]) -> None:
     then GenEval, motion and Fréchet distance to the teacher's samples before (the teacher's weights at the student's
     steps, which is also the zero-student-lr control: lr 0 leaves the student bitwise, tests/test_dmd2.py) and after
     ``fit``."""
-    rows, sheet, teacher, target, prompts = [], [], None, None, None
+    rows, sheet, teacher, target, prompts, compiled = [], [], None, None, None, {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.students:
             after, before, timing = [], None, None
@@ -414,6 +420,15 @@ def students(args, overrides: list[str]) -> None:
                     one = prompts[:args.batch]
                     ratio = time_sampling(module, one, args.blocks, name=f"time {n}-step student/teacher")
                     timing = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks))
+                    if args.compile_decode:  # the same VAE decodes both sides: compile it, warm up, time again
+                        compile_in_place(module.card.models[module.stage.vae])
+                        started = time.perf_counter()
+                        samples(module, one, module.sampler, "transformer", len(one))
+                        compile_s = time.perf_counter() - started
+                        ratio = time_sampling(module, one, args.blocks, note=", VAE decoder compiled",
+                                              name=f"time {n}-step student/teacher, compiled decoder")
+                        compiled[n] = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks),
+                                       compile_s)
                     start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
                     before = closeness(prompts, teacher, start)
                 module.train()
@@ -441,6 +456,10 @@ def students(args, overrides: list[str]) -> None:
               f"{decode:.0%} / {text:.0%} | {before['all']:.3f} → {spread([a['all'] for a in after])} | "
               f"{before['motion']:.3f} → {spread([a['motion'] for a in after])} | {before['frechet']:.3f} → "
               f"{spread([a['frechet'] for a in after])} | {spread([a['fit_s'] for a in after], 0)} |")
+    for n, (ratio, decode, text, compile_s) in compiled.items():
+        print(f"\n{n} steps, the VAE's decoder compiled (both sides; compile and warm-up {compile_s:.0f} s): time "
+              f"student/teacher {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
+              f"(×{1 / ratio.median:.1f}); decode / text-encoding share of the student's time {decode:.0%} / {text:.0%}")
     if args.grid:
         shown = []
         for i in range(min(4, len(prompts))):
