@@ -335,7 +335,7 @@ def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path):
                    {k: v for k, v in weights(resumed, "critic").items() if k.startswith("gan_head.")}) > 0
 
 
-# ---------------------------------------------------------------------- bad input
+# ---------------------------------------------------------------------- DMD's regression on teacher pairs
 def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them():
     """DMD's regression term. Each pair is the teacher's sample (its sampler: CFG, all its steps) from the pair's
     noise, the same in a fresh module (a resume recomputes them); pair 0 is the GAN's real sample. Trained 12
@@ -368,6 +368,7 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     assert with_term < 0.7 * without, (with_term, without)
 
 
+# ---------------------------------------------------------------------- bad input
 def test_bad_settings_name_the_option():
     with pytest.raises(ValueError) as info:
         dmd2(ratio=0, sigma_range=(0.5, 0.2))

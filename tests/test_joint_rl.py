@@ -392,4 +392,3 @@ def test_predict_serves_through_the_refiners():
     assert set(m.served) == set(requests)
     _, served = m.refine(requests, seed=0)
     assert [m.served[r] for r in requests] == served  # the same seeded refinements serve
-
