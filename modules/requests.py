@@ -70,6 +70,14 @@ LEXICON: dict[str, dict[str, Words]] = {
         "down": Words(("down", "downward", "to the bottom"), ("downwards",)),
     },
 }
+# The train split's fourth colour words, each between two of the world's colours as the word is in English
+# (word -> (the colour it names here, its near colour)). The shipped refiner is pretrained on them as a
+# real LM knows such words, unsure (scripts/train_refiner.py: the named colour 40% of the time, the near
+# one otherwise); which one the user means is what prompt-only RL learns from the video's reward.
+AMBIGUOUS: dict[str, tuple[str, str]] = {
+    "cherry": ("red", "magenta"), "lime": ("green", "yellow"), "cobalt": ("blue", "cyan"),
+    "amber": ("yellow", "red"), "purple": ("magenta", "blue"), "teal": ("cyan", "green"),
+}
 VERBS = Words(("moving", "drifting", "heading", "sliding"), ("gliding",))
 BACKGROUND_NOUNS = Words(("background", "backdrop", "field"), ("canvas",))
 FILLERS = Words(("", "please make ", "i want ", "a video of ", "show me ", "generate "),
