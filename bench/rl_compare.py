@@ -333,7 +333,7 @@ def claims(runs) -> list[str]:
     lines = [f"- (one evaluation's sampling error at a score of 0.3: ±{se:.3f}, {EVAL_PROMPTS} requests; a claim "
              f"decided by less than that, or on one seed, is not evidence)",
              reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
-    for baseline in ("generator_rl", "flow_grpo_requests"):
+    for baseline in ("generator_rl", "flow_grpo_requests", "prompt_rl"):  # PromptRL's two single arms, RePrompt's
         lines.append(reach("unified_rl_requests", baseline, "seen/all", 2.0))
     joint = runs.get(("unified_rl_requests", False))
     for baseline in ("generator_rl", "flow_grpo_requests"):

@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--text-max-length", type=int, default=64, help="text tokens (bytes) the generator reads: "
                         "64 as it was trained (a longer request is cut; at 96 its captions score lower, the "
                         "zero-padded text states shift its cross-attention)")
+    parser.add_argument("--served", nargs="+", metavar="NAME", help="only these rows (caption, request, "
+                        "refiner_greedy, refiner_t1): e.g. the refiner's after retraining it")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,6 +83,11 @@ def main() -> None:
             for name in [k for k in served if k.startswith("refiner")]:
                 print("rewrite", json.dumps({"split": split, "served": name,
                                              **accuracy(rewrite_verdicts(served[name], facts))}), flush=True)
+        if args.served:
+            unknown = sorted(set(args.served) - set(served))
+            if unknown:
+                parser.error(f"--served {unknown}: choose from {sorted(served)}")
+            served = {name: prompts for name, prompts in served.items() if name in args.served}
         for guidance in args.guidance:
             sampler = FlowMatchSampler(num_steps=20, guidance_scale=guidance)
             for name, prompts in served.items():

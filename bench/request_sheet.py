@@ -1,0 +1,112 @@
+"""What a user sees after request RL: a before/after sheet of one ``bench/rl_compare.py`` run.
+
+The run's config is built as ``rl_compare.py`` builds it (seed and all), its system serves the evaluation's
+held-out requests (``rl_compare.EvalSet``: 64 requests in the training wording, noise of batch ``i`` from
+``NOISE_SEED + i``) before training and again with the weights of the run's checkpoint (read by the verified
+loader, ``modules.checkpoints.load``). Each row is a request whose verdict (every asked fact shown, judged
+against the *request's* facts) training changed — fixed first, then broken —, its frames before and after, and
+above each the prompt the generator was served (the refiner's rewrite, or the request verbatim).
+
+    OMP_NUM_THREADS=1 python bench/request_sheet.py prompt_rl runs/rl_compare/runs/prompt_rl_s0/checkpoints/last.ckpt \\
+        --png docs/rl/prompt_rl_sheet.png
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rl_compare import BATCH, METHODS, NOISE_SEED, ROOT, EvalSet  # noqa: E402
+
+
+def build(name: str, seed: int):
+    from posttrain.lit.tools.config import PosttrainCLI
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the configs' relative paths (the shipped refiner) are the repository's
+    try:
+        cli = PosttrainCLI(args=["--config", os.path.join("configs", METHODS[name].config), f"--seed_everything={seed}",
+                                 f"--model.init_args.run.seed={seed}", "--trainer.logger=false"], run=False)
+    finally:
+        os.chdir(cwd)
+    cli.model.configure_model()
+    return cli.model.eval()
+
+
+@torch.no_grad()
+def serve(module, requests) -> tuple[torch.Tensor, list[str]]:
+    """The system's videos of ``requests`` (as rl_compare evaluates) and what the generator was served."""
+    texts, videos, served = [r.text for r in requests], [], []
+    for k, i in enumerate(range(0, len(texts), BATCH)):
+        videos.append(module.generate(texts[i:i + BATCH], seed=NOISE_SEED + k).float())
+        served += [getattr(module, "served", {}).get(t, t) for t in texts[i:i + BATCH]]
+    return torch.cat(videos), served
+
+
+def sheet(path: str, requests, before, after, rows: int = 10) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from posttrain.modules.geneval import judge_facts
+    from posttrain.modules.world import FACTS
+
+    facts = [r.facts for r in requests]
+    verdicts = [judge_facts(videos, facts) for videos, _ in (before, after)]
+    shown = [torch.stack([v[f] for f in FACTS], 1).nan_to_num(1.0).eq(1).all(1) for v in verdicts]
+    fixed = torch.nonzero(~shown[0] & shown[1]).flatten().tolist()
+    broken = torch.nonzero(shown[0] & ~shown[1]).flatten().tolist()
+    order = (fixed + broken)[:rows] or list(range(min(rows, len(requests))))
+    fig, axes = plt.subplots(len(order), 2, figsize=(9, 1.25 * len(order) + 0.7), squeeze=False)
+    for col, (tag, (videos, served)) in enumerate((("before", before), ("after", after))):
+        for row, i in enumerate(order):
+            frames = ((videos[i].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1)  # (F, H, W, 3)
+            wrong = [f for f in FACTS if verdicts[col][f][i] == 0]
+            ax = axes[row, col]
+            ax.imshow(torch.cat(list(frames), dim=1).numpy(), interpolation="nearest")
+            ax.set_xticks([]), ax.set_yticks([])
+            verdict = "all asked shown" if not wrong else "wrong " + ", ".join(wrong)
+            ax.set_title(f"{tag}: {verdict}\nserved: {served[i][:60]}", fontsize=6,
+                         color="green" if not wrong else "red")
+            if col == 0:
+                ax.set_ylabel(requests[i].text.replace(" on a ", "\non a ").replace(", ", ",\n", 1), fontsize=6,
+                              rotation=0, ha="right", va="center")
+    fig.suptitle(f"{len(requests)} held-out requests: every asked fact shown {int(shown[0].sum())} before, "
+                 f"{int(shown[1].sum())} after; {len(fixed)} fixed, {len(broken)} broken", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    from posttrain.modules import checkpoints
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("method", choices=[m for m, spec in METHODS.items() if spec.kind == "requests"])
+    parser.add_argument("ckpt", help="the run's checkpoint folder (e.g. its last.ckpt)")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (its refiners sample with it)")
+    parser.add_argument("--png", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    module = build(args.method, args.seed)
+    data = EvalSet(frames=module.video.frames, height=module.video.height, width=module.video.width)
+    requests = data.requests["seen"]
+    before = serve(module, requests)
+    state = checkpoints.load(args.ckpt)["state_dict"]  # the trained experts' weights (frozen ones are not saved)
+    trained = tuple(f"card.models.{name}." for name, spec in module.card.specs.items() if spec.trainable)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if unexpected or any(k.startswith(trained) for k in missing):
+        sys.exit(f"{args.ckpt} is not a checkpoint of {args.method}: unexpected {unexpected[:3]}, missing "
+                 f"{[k for k in missing if k.startswith(trained)][:3]}")
+    after = serve(module, requests)
+    sheet(args.png, requests, before, after)
+    print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
