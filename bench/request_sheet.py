@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rl_captions import sheet  # noqa: E402
 from rl_compare import BATCH, METHODS, NOISE_SEED, ROOT, EvalSet  # noqa: E402
 
 
@@ -46,42 +47,6 @@ def serve(module, requests) -> tuple[torch.Tensor, list[str]]:
     return torch.cat(videos), served
 
 
-def sheet(path: str, requests, before, after, rows: int = 10) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from posttrain.modules.geneval import judge_facts
-    from posttrain.modules.world import FACTS
-
-    facts = [r.facts for r in requests]
-    verdicts = [judge_facts(videos, facts) for videos, _ in (before, after)]
-    shown = [torch.stack([v[f] for f in FACTS], 1).nan_to_num(1.0).eq(1).all(1) for v in verdicts]
-    fixed = torch.nonzero(~shown[0] & shown[1]).flatten().tolist()
-    broken = torch.nonzero(shown[0] & ~shown[1]).flatten().tolist()
-    order = (fixed + broken)[:rows] or list(range(min(rows, len(requests))))
-    fig, axes = plt.subplots(len(order), 2, figsize=(9, 1.25 * len(order) + 0.7), squeeze=False)
-    for col, (tag, (videos, served)) in enumerate((("before", before), ("after", after))):
-        for row, i in enumerate(order):
-            frames = ((videos[i].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1)  # (F, H, W, 3)
-            wrong = [f for f in FACTS if verdicts[col][f][i] == 0]
-            ax = axes[row, col]
-            ax.imshow(torch.cat(list(frames), dim=1).numpy(), interpolation="nearest")
-            ax.set_xticks([]), ax.set_yticks([])
-            verdict = "all asked shown" if not wrong else "wrong " + ", ".join(wrong)
-            ax.set_title(f"{tag}: {verdict}\nserved: {served[i][:60]}", fontsize=6,
-                         color="green" if not wrong else "red")
-            if col == 0:
-                ax.set_ylabel(requests[i].text.replace(" on a ", "\non a ").replace(", ", ",\n", 1), fontsize=6,
-                              rotation=0, ha="right", va="center")
-    fig.suptitle(f"{len(requests)} held-out requests: every asked fact shown {int(shown[0].sum())} before, "
-                 f"{int(shown[1].sum())} after; {len(fixed)} fixed, {len(broken)} broken", fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     from posttrain.modules import checkpoints
 
@@ -104,7 +69,8 @@ def main() -> None:
         sys.exit(f"{args.ckpt} is not a checkpoint of {args.method}: unexpected {unexpected[:3]}, missing "
                  f"{[k for k in missing if k.startswith(trained)][:3]}")
     after = serve(module, requests)
-    sheet(args.png, requests, before, after)
+    sheet(args.png, [r.text for r in requests], before[0], after[0], rows=10, facts=[r.facts for r in requests],
+          served=(before[1], after[1]), what="held-out requests")
     print(f"wrote {args.png}")
 
 

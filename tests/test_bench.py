@@ -355,3 +355,24 @@ def test_gradient_noise_bench_runs():
         steps, of = map(int, cells[1].split(" of "))
         assert 3 <= steps <= of == 6 and float(cells[6]) > 0, row
 
+
+
+def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(tmp_path):
+    """``bench/request_sheet.py``'s drawing (``rl_captions.sheet`` with ``facts`` and ``served``): a request's video
+    is judged against the facts the request asks (a fact it leaves out is not judged), so a request fixed by
+    training and one broken by it are counted as such, whatever text was served."""
+    from rl_captions import sheet
+
+    from posttrain.modules.world import Facts, render
+
+    asked = [Facts("circle", "red", "blue", None), Facts("square", "green", None, "up"), Facts("triangle", "cyan", "red", "left")]
+    right = torch.stack([render("circle", "red", "right", "blue", 5, 32, 32), render("square", "green", "up", "yellow", 5, 32, 32),
+                         render("triangle", "cyan", "left", "red", 5, 32, 32)])
+    wrong = torch.stack([render("circle", "green", "right", "blue", 5, 32, 32), right[1],
+                         render("triangle", "yellow", "left", "red", 5, 32, 32)])
+    requests = ["a teal circle on a navy backdrop", "a jade box heading up", "a turquoise wedge moving left on red"]
+    served = (["a green circle on a blue background"] * 3, ["a red circle on a blue background"] * 3)
+    png = tmp_path / "sheet.png"
+    fixed, broken = sheet(str(png), requests, wrong, right, facts=asked, served=served, what="held-out requests")
+    assert (fixed, broken) == ([0, 2], []) and png.stat().st_size > 0
+    assert sheet(str(png), requests, right, wrong, facts=asked, served=served) == ([], [0, 2])
