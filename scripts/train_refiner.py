@@ -57,10 +57,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from posttrain.modules.presets import PRESETS, build_model, build_tokenizer
 from posttrain.modules.requests import (
-    AMBIGUOUS, CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, Wording, accuracy, canonical_caption, concern_target, refine,
-    rewrite_verdicts, wording, write_request,
+    AMBIGUOUS, CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, Wording, accuracy, canonical_caption, concern_target,
+    refine, rewrite_verdicts, wording, write_request,
 )
-from posttrain.modules.world import MOTIONS, PALETTE, SHAPES, Facts
+from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts
 
 PRETRAIN_TEMPLATES = ("plain", "background_first", "in_colour", "motion_first")
 
@@ -130,9 +130,8 @@ def example(rng: torch.Generator, words: Wording, drop_rate: float, unknown_rate
         target_facts = None if target_facts == facts else target_facts
     request = write_request(facts, rng, words, drop_rate)
     if target_facts is not None:  # the same facts asked (or dropped), one colour the near one
-        asked = {f: getattr(request.facts, f) for f in ("shape", "colour", "background", "motion")}
         request = dataclasses.replace(request, facts=Facts(**{
-            f: (getattr(target_facts, f) if v is not None else None) for f, v in asked.items()}))
+            f: (getattr(target_facts, f) if getattr(request.facts, f) is not None else None) for f in FACTS}))
         request = dataclasses.replace(request, caption=canonical_caption(request.facts))
     task = float(torch.rand(1, generator=rng))
     if task < 0.5:

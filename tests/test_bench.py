@@ -365,8 +365,10 @@ def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(t
 
     from posttrain.modules.world import Facts, render
 
-    asked = [Facts("circle", "red", "blue", None), Facts("square", "green", None, "up"), Facts("triangle", "cyan", "red", "left")]
-    right = torch.stack([render("circle", "red", "right", "blue", 5, 32, 32), render("square", "green", "up", "yellow", 5, 32, 32),
+    asked = [Facts("circle", "red", "blue", None), Facts("square", "green", None, "up"),
+             Facts("triangle", "cyan", "red", "left")]
+    right = torch.stack([render("circle", "red", "right", "blue", 5, 32, 32),
+                         render("square", "green", "up", "yellow", 5, 32, 32),
                          render("triangle", "cyan", "left", "red", 5, 32, 32)])
     wrong = torch.stack([render("circle", "green", "right", "blue", 5, 32, 32), right[1],
                          render("triangle", "yellow", "left", "red", 5, 32, 32)])
