@@ -2,10 +2,12 @@
 
 The run's config is built as ``rl_compare.py`` builds it (seed and all), its system serves the evaluation's
 held-out requests (``rl_compare.EvalSet``: 64 requests in the training wording, noise of batch ``i`` from
-``NOISE_SEED + i``) before training and again with the weights of the run's checkpoint (read by the verified
-loader, ``modules.checkpoints.load``). Each row is a request whose verdict (every asked fact shown, judged
-against the *request's* facts) training changed — fixed first, then broken —, its frames before and after, and
-above each the prompt the generator was served (the refiner's rewrite, or the request verbatim).
+``NOISE_SEED + i``) before training and again with the weights of the run's checkpoint (read as ``posttrain
+predict`` reads one: the verified loader, ``modules.checkpoints.load``, then the module's ``on_load_checkpoint``,
+which refuses another card's checkpoint and puts back the frozen experts it left out). Each row is a request
+whose verdict (every asked fact shown, judged against the *request's* facts) training changed — fixed first,
+then broken —, its frames before and after, and above each the prompt the generator was served (the refiner's
+rewrite, or the request verbatim).
 
     OMP_NUM_THREADS=1 python bench/request_sheet.py prompt_rl runs/rl_compare/runs/prompt_rl_s0/checkpoints/last.ckpt \\
         --png docs/rl/prompt_rl_sheet.png
@@ -62,12 +64,9 @@ def main() -> None:
     data = EvalSet(frames=module.video.frames, height=module.video.height, width=module.video.width)
     requests = data.requests["seen"]
     before = serve(module, requests)
-    state = checkpoints.load(args.ckpt)["state_dict"]  # the trained experts' weights (frozen ones are not saved)
-    trained = tuple(f"card.models.{name}." for name, spec in module.card.specs.items() if spec.trainable)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if unexpected or any(k.startswith(trained) for k in missing):
-        sys.exit(f"{args.ckpt} is not a checkpoint of {args.method}: unexpected {unexpected[:3]}, missing "
-                 f"{[k for k in missing if k.startswith(trained)][:3]}")
+    checkpoint = checkpoints.load(args.ckpt)
+    module.on_load_checkpoint(checkpoint)  # refuses another card's checkpoint, puts the frozen experts back
+    module.load_state_dict(checkpoint["state_dict"])
     after = serve(module, requests)
     sheet(args.png, [r.text for r in requests], before[0], after[0], rows=10, facts=[r.facts for r in requests],
           served=(before[1], after[1]), what="held-out requests")

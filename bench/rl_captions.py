@@ -203,8 +203,10 @@ def sheet(path: str, prompts: list[str], before: torch.Tensor, after: torch.Tens
             ax = axes[row, col]
             ax.imshow(torch.cat(list(frames), dim=1).numpy(), interpolation="nearest")  # frames side by side
             ax.set_xticks([]), ax.set_yticks([])
-            title = f"{tag}: " + ("all four shown" if facts is None else "all asked shown") if not wrong \
-                else f"{tag}: wrong " + ", ".join(wrong)
+            if wrong:
+                title = f"{tag}: wrong " + ", ".join(wrong)
+            else:
+                title = f"{tag}: all {'four' if facts is None else 'asked'} shown"
             if served:
                 title += f"\nserved: {served[col][i][:60]}"
             ax.set_title(title, fontsize=6 if served else 7, color="green" if not wrong else "red")

@@ -501,10 +501,9 @@ def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int 
 def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     """configs/dmd2.yaml (the shipped world's generator as teacher: 20 steps, CFG 4.5) at DMD2's anchor cadence
     (student every 5th iteration, no GAN term, its 4 steps flow-shifted by 3 as Self-Forcing warps Wan's) for 100
-    iterations: the 4-step student's samples of 16 seen-concept
-    prompts come closer to the teacher's samples of the same prompts and noise — Fréchet VAE distance and latent MSE
-    fall, synthetic GenEval rises — than at the start, where the student is the teacher's weights run with the same 4
-    steps (bench/distill.py --students measures the shipped settings on held-out prompts, 3 seeds)."""
+    iterations: the 4-step student's samples of 16 seen-concept prompts come closer to the teacher's samples of the
+    same prompts and noise — Fréchet VAE distance and latent MSE fall, synthetic GenEval rises — than at the start,
+    where the student is the teacher's weights run with the same 4 steps (bench/distill.py --students measures the shipped settings on held-out prompts, 3 seeds)."""
     anchor = ["--model.init_args.generator_update_ratio", "5", "--model.init_args.gan_generator_weight", "0",
               "--model.init_args.gan_critic_weight", "0", "--model.init_args.regression_weight", "0",
               "--model.init_args.sampler.init_args.scheduler.init_args.shift", "3.0"]

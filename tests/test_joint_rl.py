@@ -416,7 +416,7 @@ def caption_margin(m: JointRL, colour_slot_requests: list[tuple[str, str, str]])
     return sum(margins) / len(margins)
 
 
-def test_prompt_rl_config_teaches_the_refiner_which_colour_an_ambiguous_word_means(tmp_path):
+def test_prompt_rl_config_teaches_the_refiner_which_colour_an_ambiguous_word_means():
     """configs/prompt_rl.yaml as shipped (the pretrained refiner and generator, the generator frozen, the intent
     reward of the videos): 20 iterations make the refiner prefer, for requests in the ``AMBIGUOUS`` colour words
     (``teal``, ``amber``, …, pretrained as unsure between two colours), the caption of the colour the word names

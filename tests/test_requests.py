@@ -221,16 +221,19 @@ def test_the_shipped_refiner_is_unsure_of_the_ambiguous_colour_words(refiner, on
     the time) — while the same request in the world's own word is rewritten right nearly always."""
     model, tokenizer = refiner
     g = torch.Generator().manual_seed(0)
+
+    def colours_written(word: str, background: str) -> list:
+        text = f"a {word} circle moving left on a {background} background"
+        return [parse_caption(r).colour for r in refine(model, tokenizer, [text] * 16, REWRITE_TEMPLATE,
+                                                        temperature=1.0, generator=g)]
+
     right, near, plain = [], [], []
     for word, (colour, other) in AMBIGUOUS.items():
         background = next(c for c in ("blue", "green", "yellow") if c not in (colour, other))
-        texts = [f"a {w} circle moving left on a {background} background" for w in (word, colour)]
-        for text, out in zip(texts, (right, plain)):
-            rewrites = refine(model, tokenizer, [text] * 16, REWRITE_TEMPLATE, temperature=1.0, generator=g)
-            read = [parse_caption(r) for r in rewrites]
-            out.append(sum(f.colour == colour for f in read) / 16)
-            if out is right:
-                near.append(sum(f.colour == other for f in read) / 16)
+        written = colours_written(word, background)
+        right.append(written.count(colour) / 16)
+        near.append(written.count(other) / 16)
+        plain.append(colours_written(colour, background).count(colour) / 16)
     assert min(plain) >= 0.8, plain
     assert 0.1 <= sum(right) / len(right) <= 0.7 and sum(near) / len(near) >= 0.2, (right, near)
     assert sum(r + n >= 0.6 for r, n in zip(right, near)) >= 4, (right, near)  # mostly one of the two
