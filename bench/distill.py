@@ -109,7 +109,7 @@ def rollout(module, prompts: list[str], sampler, batch: int, latent_frames: int)
         shape[1] = latent_frames
         noise = torch.randn((len(chunk), *shape), generator=g)
         cond, uncond = module.conditioning(chunk, sampler)
-        latents = module.stage.sample(sampler, noise, cond, uncond, name="transformer", rng=g).latents
+        latents = module.stage.sample(sampler, noise, cond, uncond, name=module.serving_transformer, rng=g).latents
         videos.append(module.stage.decode(latents))
     return torch.cat(videos)
 
@@ -121,7 +121,7 @@ def measure_chunks(module, prompts: list[str], teacher: tuple[torch.Tensor, torc
     per clip length (window p counts in the clip length its latent frame p falls in). Returns (scores, videos for
     the sheet)."""
     sampler = module.sampler
-    clip = samples(module, prompts, sampler, "transformer", batch)
+    clip = samples(module, prompts, sampler, module.serving_transformer, batch)
     reference = windows(teacher[1])
     scores = {"clip": closeness(prompts, teacher, clip),
               "windows": [window_scores(prompts, reference, [w]) for w in windows(clip[1])]}
@@ -336,7 +336,7 @@ def main() -> None:
         module.train()
         cli.trainer.fit(module, datamodule=cli.datamodule)
         module.eval()
-        sets["after"] = samples(module, prompts, student_sampler, "transformer", args.batch)
+        sets["after"] = samples(module, prompts, student_sampler, module.serving_transformer, args.batch)
         scores = {k: closeness(prompts, teacher, sets[k]) for k in shown}
     steps = cli.trainer.global_step
     print(f"\n{len(prompts)} seen-concept prompts; reference: the teacher, {teacher_sampler.num_steps} steps, CFG "
@@ -436,7 +436,7 @@ def students(args, overrides: list[str]) -> None:
                 cli.trainer.fit(module, datamodule=cli.datamodule)
                 fit_s = time.perf_counter() - started
                 module.eval()
-                done = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
+                done = samples(module, prompts, module.sampler, module.serving_transformer, args.batch, HELD_OUT_SEED)
                 after.append({**closeness(prompts, teacher, done), "fit_s": fit_s})
                 print(f"{n} steps, seed {seed}: {after[-1]}", flush=True)
                 if seed == args.seeds[0]:

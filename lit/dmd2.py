@@ -45,6 +45,7 @@ from posttrain.modules.gan import HEAD, attach_head, block_features, frozen
 from posttrain.modules.losses import (dmd_generator_loss, flow_matching_loss, gan_critic_loss, gan_generator_loss,
                                       noised, sample_sigmas, x0_from_velocity)
 from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.versions import SyncPlan, constant
 
 TEACHER_CFG = 4.5  # DMD2's anchor guidance of the real score: the default teacher sampler's
 
@@ -79,6 +80,8 @@ class DMD2(ExpertModule):
             step from a teacher pair's noise regresses onto the teacher's sample from that noise (latent MSE), added
             to the student's loss; 0 = off (DMD2's choice at ImageNet scale). Not for a chunked student.
         regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
+        ema_decay: keep ``transformer_ema``, an EMA of the student with this decay per student step, and serve it
+            (samples, validation, ``predict``; Self-Forcing's ``ema_weight``, anchor 0.99); None keeps none.
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -86,7 +89,7 @@ class DMD2(ExpertModule):
                  backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
-                 regression_pairs: int = 4, run: Optional[RunArgs] = None):
+                 regression_pairs: int = 4, ema_decay: Optional[float] = None, run: Optional[RunArgs] = None):
         problems = []
         sampler = sampler or FlowMatchSampler(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
@@ -130,6 +133,8 @@ class DMD2(ExpertModule):
             problems.append(f"regression_weight={regression_weight} regresses the student's first step over the whole "
                             f"video, but sampler.chunk_frames={sampler.chunk_frames} rolls it out chunk by chunk "
                             f"(Self-Forcing): set regression_weight: 0")
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
@@ -138,6 +143,7 @@ class DMD2(ExpertModule):
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
+        self.ema_decay = ema_decay
         # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
         self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -149,6 +155,9 @@ class DMD2(ExpertModule):
         super().setup_roles()
         if self.gan:  # the head is part of the critic: its optimizer, checkpoint entry and versions
             attach_head(self.card.models[self.critic], seed=self.run.seed)
+        if self.ema_decay is not None:  # the EMA copy serves (``serving_transformer``)
+            ema = self.card.add_role("ema", of=self.student)
+            self.sync_plans.append(SyncPlan(self.student, ema, constant(self.ema_decay)))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = list(batch["prompt"])
@@ -184,8 +193,8 @@ class DMD2(ExpertModule):
                 with self.stage.velocity(self.teacher) as teacher:
                     v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond)
             critic_model = self.card.models[self.critic]
-            constant = frozen(critic_model) if self.gan else contextlib.nullcontext()
-            with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, constant, \
+            frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
+            with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
                     block_features(critic_model) as features:
                 v_fake = critic(x_t, t, cond).float()
                 gan_loss = gan_generator_loss(self.gan_head(features[-1])) if self.gan else torch.zeros(len(prompts))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import posttrain.lit.dmd2 as dmd2_module
 from posttrain.modules import checkpoints
@@ -156,6 +156,43 @@ def test_student_and_critic_start_from_the_teacher():
     assert differs(teacher, weights(module, "transformer")) == 0.0
     assert differs(teacher, weights(module, "critic")) == 0.0
     assert all(not p.requires_grad for p in module.card["teacher"].parameters())
+
+
+def test_ema_of_the_student_follows_its_steps_and_serves():
+    """``ema_decay``: ``transformer_ema`` starts as the student and after each student step (iterations 0 and 3 of
+    4, ratio 3) moves to d·ema + (1-d)·student, the student's own weights recorded after that step; the critic's
+    steps leave it alone, and it is what ``generate`` samples with."""
+    module = dmd2(ema_decay=0.5)
+    module.configure_model()
+    assert module.serving_transformer == "transformer_ema"
+    expected = weights(module, "transformer")
+    assert differs(expected, weights(module, "transformer_ema")) == 0.0
+    seen = []
+
+    class AfterStudentSteps(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if "transformer" in pl_module.stepped:  # before the versions callback bumps and syncs
+                seen.append(weights(pl_module, "transformer"))
+
+    quick_trainer(max_steps=4, callbacks=[AfterStudentSteps()]).fit(module, prompts())
+    assert len(seen) == 2 and module.card.versions["critic"] == 4
+    for student in seen:
+        expected = {k: 0.5 * v + 0.5 * student[k] for k, v in expected.items()}
+    ema = weights(module, "transformer_ema")
+    assert max((ema[k] - expected[k]).abs().max().item() for k in ema) < 1e-6
+    assert differs(ema, seen[-1]) > 1e-5  # not the student itself
+    prompt = ["a red circle moving left"]
+    served = module.generate(prompt, latents_only=True)
+
+    def sampled_by(name: str) -> torch.Tensor:  # generate's draws: noise, then re-noise, from one rng seeded 0
+        rng = torch.Generator().manual_seed(0)
+        noise = torch.randn(served.shape, generator=rng)
+        cond, uncond = module.conditioning(prompt, module.sampler)
+        with torch.no_grad():
+            return module.stage.sample(module.sampler, noise, cond, uncond, name=name, rng=rng).latents
+
+    assert torch.equal(served, sampled_by("transformer_ema"))
+    assert not torch.allclose(served, sampled_by("transformer"))
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -396,6 +433,8 @@ def test_bad_settings_name_the_option():
     with pytest.raises(ValueError, match=r"regression_weight=1.0 .* sampler.chunk_frames=1 .* regression_weight: 0"):
         DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1), regression_weight=1.0,
              run=SIZE)
+    with pytest.raises(ValueError, match=r"ema_decay=1.5 must be in \(0, 1\) \(e.g. 0.99; null serves the student"):
+        dmd2(ema_decay=1.5)
     with pytest.raises(ValueError, match=r"step_sigmas=\[\] is empty"):
         FlowMatchSampler(num_steps=4, step_sigmas=[])
     with pytest.raises(ValueError, match=r"init_from='techer' is not another expert of the card"):
