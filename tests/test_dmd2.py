@@ -553,7 +553,7 @@ def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
 
 def test_the_one_step_student_comes_closer_to_the_teacher(tmp_path):
     """configs/dmd2.yaml as shipped (TTUR 2, the GAN term, DMD's regression on teacher pairs) with one student step,
-    for 150 iterations, the student itself scored (its EMA, which serves, still leans on the start at 75 steps): the teacher's weights in one step sit far from the teacher's samples (Fréchet VAE distance
+    for 150 iterations: the teacher's weights in one step sit far from the teacher's samples (Fréchet VAE distance
     ~1.6 on these 16 prompts; colours and motion mostly wrong); the student comes much closer (Fréchet under half,
     latent MSE lower) and draws the asked colour and motion far more often (measured: Fréchet 1.64 -> 0.44, colour
     0.31 -> 0.81, motion 0.44 -> 0.75; shapes stay blobs at this budget: bench/distill.py --students 1). The control
