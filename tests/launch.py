@@ -260,7 +260,28 @@ def posttrain(*args: str, cwd: str, env: Optional[dict[str, str]] = None, timeou
             _kill_sessions(sorted(set(_job_pids(folder)) | {process.pid}))
             process.join()
             raise subprocess.TimeoutExpired(["posttrain", *args], timeout, output=read(out), stderr=read(err))
+        # the other ranks write to the same files and may still be saying their last words (a pipe's EOF, which
+        # subprocess.run waits for, waits for every writer): wait for them, as long as a rank outlives its rank 0
+        _wait_for_exit([pid for pid in _job_pids(folder) if pid != process.pid], timeout=15.0)
         return subprocess.CompletedProcess(["posttrain", *args], process.exitcode, read(out), read(err))
+
+
+def _wait_for_exit(pids: list[int], timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process its parent has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def _server_address() -> str:
