@@ -22,21 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rl_captions import sheet  # noqa: E402
-from rl_compare import BATCH, METHODS, NOISE_SEED, ROOT, EvalSet  # noqa: E402
+from rl_compare import BATCH, METHODS, NOISE_SEED, EvalSet, method_cli  # noqa: E402
 
 
 def build(name: str, seed: int):
-    from posttrain.lit.tools.config import PosttrainCLI
-
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # the configs' relative paths (the shipped refiner) are the repository's
-    try:
-        cli = PosttrainCLI(args=["--config", os.path.join("configs", METHODS[name].config), f"--seed_everything={seed}",
-                                 f"--model.init_args.run.seed={seed}", "--trainer.logger=false"], run=False)
-    finally:
-        os.chdir(cwd)
-    cli.model.configure_model()
-    return cli.model.eval()
+    module = method_cli(name, seed).model
+    module.configure_model()
+    return module.eval()
 
 
 @torch.no_grad()

@@ -185,26 +185,34 @@ class Curve(Callback):
             self._record(trainer, module)
 
 
-def run_one(name: str, seed: int, control: bool, iterations: Optional[int], points: int, out: str,
-            threads: int, overrides: tuple[str, ...] = ()) -> dict:
+def method_cli(name: str, seed: int, *extra: str):
+    """The CLI (not run) of method ``name``'s config with ``seed`` for the global, the model's and the run's RNGs, no
+    logger, and ``extra`` options; built from the repository root, where the configs' relative paths (the shipped
+    refiner) point."""
     from posttrain.lit.tools.config import PosttrainCLI
 
+    args = ["--config", os.path.join(ROOT, "configs", METHODS[name].config), f"--seed_everything={seed}",
+            f"--model.init_args.run.seed={seed}", "--trainer.logger=false", *extra]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return PosttrainCLI(args=args, run=False)
+    finally:
+        os.chdir(cwd)
+
+
+def run_one(name: str, seed: int, control: bool, iterations: Optional[int], points: int, out: str,
+            threads: int, overrides: tuple[str, ...] = ()) -> dict:
     torch.set_num_threads(threads)
     method = METHODS[name]
     tag = f"{name}_s{seed}" + ("_control" if control else "")
-    args = ["--config", os.path.join(ROOT, "configs", method.config), f"--seed_everything={seed}",
-            f"--model.init_args.run.seed={seed}", f"--data.init_args.seed={seed}", "--trainer.logger=false",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
+    args = [f"--data.init_args.seed={seed}", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
             f"--trainer.default_root_dir={os.path.join(out, 'runs', tag)}"]
     if iterations is not None:
         args.append(f"--trainer.max_steps={iterations}")
     args += [f"--{o}" for o in overrides]
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # the configs' relative paths (the shipped refiner) are the repository's
-    try:
-        cli = PosttrainCLI(args=args, run=False)
-    finally:
-        os.chdir(cwd)
+    cli = method_cli(name, seed, *args)
     trainer, module = cli.trainer, cli.model
     # the curve's evaluations replace the run's sample videos (and validation: limit_val_batches=0)
     trainer.callbacks = [c for c in trainer.callbacks if type(c).__name__ != "SampleVideos"]

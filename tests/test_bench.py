@@ -356,7 +356,6 @@ def test_gradient_noise_bench_runs():
         assert 3 <= steps <= of == 6 and float(cells[6]) > 0, row
 
 
-
 def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(tmp_path):
     """``bench/request_sheet.py``'s drawing (``rl_captions.sheet`` with ``facts`` and ``served``): a request's video
     is judged against the facts the request asks (a fact it leaves out is not judged), so a request fixed by
