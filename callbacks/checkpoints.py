@@ -14,7 +14,9 @@ Lightning's ``ModelCheckpoint`` with these changes (same arguments; configs name
   stepped, versions bumped, the data position advanced — which is the state a resume must continue from.
   Lightning's own manual-optimization path warns and saves the same thing;
 - when a validation follows that iteration, the checkpoint is taken at the validation's end, so a resume neither
-  skips that validation's metrics nor miscounts Lightning's loops.
+  skips that validation's metrics nor miscounts Lightning's loops;
+- with ``save_last``, a fit that ends off the cadence (``max_steps`` not a multiple of ``every_n_train_steps``)
+  checkpoints its final iteration too.
 """
 from __future__ import annotations
 
@@ -98,10 +100,16 @@ class ModelCheckpoint(LightningModelCheckpoint):
     # ------------------------------------------------------------------ when to save
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """Save on ``every_n_train_steps`` / ``train_time_interval`` after the whole iteration, under manual and
-        automatic optimization alike (``IterationCounter`` has already counted this iteration)."""
+        automatic optimization alike (``IterationCounter`` has already counted this iteration), and, with
+        ``save_last``, on the fit's final iteration."""
         if self._should_skip_saving_checkpoint(trainer):
             return
         skip_batch = self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps != 0
+        # the fit's final iteration off the cadence (max_steps not a multiple of it): saved like one on it, mid-loop,
+        # so a resume with a larger max_steps continues exactly (Lightning's end-of-fit save would not: its loops have
+        # closed the epoch by then)
+        final = 0 < trainer.max_steps <= trainer.global_step
+        skip_batch = skip_batch and not (final and self.save_last and self._every_n_train_steps >= 1)
         skip_time, now = True, time.monotonic()
         if self._train_time_interval is not None:
             previous = self._last_time_checked

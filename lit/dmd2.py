@@ -82,6 +82,8 @@ class DMD2(ExpertModule):
         regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
         ema_decay: keep ``transformer_ema``, an EMA of the student with this decay per student step, and serve it
             (samples, validation, ``predict``; Self-Forcing's ``ema_weight``, anchor 0.99); None keeps none.
+        real_guidance_scale: the CFG scale of the real score (DMD2's ``real_guidance_scale``); None = the teacher
+            sampler's, which still makes the teacher's samples (regression pairs, GAN reals, validation target).
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -89,7 +91,8 @@ class DMD2(ExpertModule):
                  backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
-                 regression_pairs: int = 4, ema_decay: Optional[float] = None, run: Optional[RunArgs] = None):
+                 regression_pairs: int = 4, ema_decay: Optional[float] = None,
+                 real_guidance_scale: Optional[float] = None, run: Optional[RunArgs] = None):
         problems = []
         sampler = sampler or FlowMatchSampler(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
@@ -135,6 +138,9 @@ class DMD2(ExpertModule):
                             f"(Self-Forcing): set regression_weight: 0")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
+        if real_guidance_scale is not None and real_guidance_scale < 1.0:
+            problems.append(f"real_guidance_scale={real_guidance_scale} must be >= 1 (1 = the teacher's score "
+                            f"unguided; null = the teacher sampler's CFG, {TEACHER_CFG} by default)")
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
@@ -144,6 +150,7 @@ class DMD2(ExpertModule):
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
         self.ema_decay = ema_decay
+        self.real_guidance_scale = real_guidance_scale
         # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
         self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -191,7 +198,8 @@ class DMD2(ExpertModule):
             t = self.sampler.timestep_of(sigma)
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
-                    v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond)
+                    v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond,
+                                                           guidance_scale=self.real_guidance_scale)
             critic_model = self.card.models[self.critic]
             frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
             with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, frozen_critic, \

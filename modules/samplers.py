@@ -287,9 +287,11 @@ class FlowMatchSampler:
             scheduler.set_begin_index(0)
         return Schedule(sigmas=sigmas, timesteps=timesteps, scheduler=scheduler)
 
-    def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None) -> torch.Tensor:
-        """Guided float32 velocity; the conditional and unconditional passes share one batched forward."""
-        g = self.guidance_scale
+    def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None,
+                 guidance_scale: Optional[float] = None) -> torch.Tensor:
+        """Guided float32 velocity; the conditional and unconditional passes share one batched forward.
+        ``guidance_scale``: this call's CFG scale instead of the sampler's."""
+        g = self.guidance_scale if guidance_scale is None else guidance_scale
         t = timestep.expand(x.shape[0]).to(x.device)
         if uncond is None or g == 1.0:
             return model(x, t, cond).float()

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, seed_everything
 
 import launch
 from posttrain.callbacks.checkpoints import ModelCheckpoint
@@ -104,6 +104,22 @@ def test_resume_prints_no_resumability_warning(run, tmp_path):
     assert trainer.global_step == 8
     noise = ("not resumable", "manual optimization", "exists and is not empty")
     assert not [w for w in caught if any(n in w for n in noise)], caught
+
+
+def test_a_fit_that_ends_off_the_cadence_checkpoints_its_final_iteration_resumably(tmp_path):
+    """max_steps 5 with a checkpoint every 2: Lightning's would leave ``last`` at iteration 4 and iteration 5 lost.
+    Saved mid-loop like a cadence checkpoint, it resumes exactly: 5 then 3 more equals 8 straight."""
+    seed_everything(0)
+    fit(tmp_path / "ended", 5)
+    assert sorted(os.listdir(tmp_path / "ended")) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt",
+                                                      "epoch=1-step=5.ckpt", "last.ckpt"]
+    assert ckpt.verify(str(tmp_path / "ended" / "last.ckpt"))["global_step"] == 5
+    seed_everything(0)
+    resumed, _, _ = fit(tmp_path / "ended", 8, ckpt_path="last")
+    seed_everything(0)
+    straight, _, _ = fit(tmp_path / "straight", 8)
+    a, b = resumed.state_dict(), straight.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class Validations(Callback):

@@ -405,6 +405,24 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     assert with_term < 0.7 * without, (with_term, without)
 
 
+def test_real_guidance_scale_guides_the_real_score_only():
+    """``real_guidance_scale`` sets the CFG of the real score in the student's loss and nothing else: at 1 the
+    teacher's forward there is one unguided pass (batch B, not the cond + uncond 2B); the teacher's own samples
+    (regression pairs, GAN reals) keep the teacher sampler's CFG 4.5, bitwise."""
+    modules = {g: dmd2(ratio=1, real_guidance_scale=g) for g in (None, 1.0)}
+    batches = {}
+    for g, module in modules.items():
+        module.configure_model()
+        batches[g] = []
+        module.card["teacher"].register_forward_hook(
+            lambda m, args, kwargs, out, g=g: batches[g].append(len(kwargs["hidden_states"])), with_kwargs=True)
+        quick_trainer(max_steps=1).fit(module, prompts())
+    assert batches[None] == [4] and batches[1.0] == [2]  # batch 2: one step's real score, with and without CFG
+    pairs = [module.teacher_pairs(["a red square moving left on a blue background"], [1])[1]
+             for module in modules.values()]
+    assert torch.equal(*pairs)  # the teacher's samples: the sampler's CFG in both
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_settings_name_the_option():
     with pytest.raises(ValueError) as info:
@@ -435,6 +453,8 @@ def test_bad_settings_name_the_option():
              run=SIZE)
     with pytest.raises(ValueError, match=r"ema_decay=1.5 must be in \(0, 1\) \(e.g. 0.99; null serves the student"):
         dmd2(ema_decay=1.5)
+    with pytest.raises(ValueError, match=r"real_guidance_scale=0.5 must be >= 1 \(1 = the teacher's score unguided"):
+        dmd2(real_guidance_scale=0.5)
     with pytest.raises(ValueError, match=r"step_sigmas=\[\] is empty"):
         FlowMatchSampler(num_steps=4, step_sigmas=[])
     with pytest.raises(ValueError, match=r"init_from='techer' is not another expert of the card"):
