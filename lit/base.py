@@ -39,7 +39,7 @@ from posttrain.modules.cards import ModelCard
 from posttrain.modules.distributed import any_rank
 from posttrain.modules.generators import GeneratorStage, VideoSize
 from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.versions import SyncPlan
+from posttrain.modules.versions import SyncPlan, constant
 
 # Frozen experts are in eval mode on purpose (no dropout: the same input gives the same output); Lightning
 # warns about any module in eval mode when fit starts. This filter drops exactly that warning.
@@ -336,6 +336,14 @@ class ExpertModule(ExactResume, DeferredLogging):
         self.stepped.add(name)
 
     # ------------------------------------------------------------------ serving
+    def keep_serving_ema(self, decay: Optional[float]) -> None:
+        """With ``decay`` set (a method's ``ema_decay``), add ``<generator>_ema``, an EMA of the trained generator
+        blended after each of its steps with this decay, which then serves (``serving_transformer``): sample
+        videos, validation, ``predict``. Call from ``setup_roles``."""
+        if decay is not None:
+            ema = self.card.add_role("ema", of=self.stage.transformer)
+            self.sync_plans.append(SyncPlan(self.stage.transformer, ema, constant(decay)))
+
     @property
     def serving_transformer(self) -> str:
         """The generator that serves samples: its EMA copy when the method keeps one."""

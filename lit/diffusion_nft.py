@@ -47,6 +47,9 @@ class DiffusionNFT(ExpertModule):
         num_timesteps: noise levels drawn per sample and update (losses averaged, one optimizer step).
         sigma_min, sigma_max: training σ are uniform in this range, then flow-shifted by ``shift``.
         shift: flow shift of the training σ.
+        ema_decay: keep ``transformer_ema``, an EMA of the policy blended after each of its steps, and serve it
+            (validation, sample videos, ``predict``) — the reference evaluates and saves its EMA (decay 0.9); None
+            serves the policy itself. Apart from ``old``, the behaviour policy, which trails by ``decay_type``.
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -54,7 +57,8 @@ class DiffusionNFT(ExpertModule):
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
                  grpo: Optional[GRPOArgs] = None, beta: float = 1.0, kl_beta: float = 1e-4,
                  decay_type: Literal[0, 1, 2] = 1, num_timesteps: int = 2, sigma_min: float = 0.02,
-                 sigma_max: float = 0.98, shift: float = 1.0, run: Optional[RunArgs] = None):
+                 sigma_max: float = 0.98, shift: float = 1.0, ema_decay: Optional[float] = None,
+                 run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
         self.rollout_sampler = rollout_sampler or self.sampler
         self.grpo = grpo or GRPOArgs()
@@ -72,11 +76,15 @@ class DiffusionNFT(ExpertModule):
             problems.append(f"num_timesteps={num_timesteps} must be >= 1")
         if not 0.0 <= sigma_min < sigma_max <= 1.0:
             problems.append(f"sigma_min={sigma_min}, sigma_max={sigma_max}: need 0 <= sigma_min < sigma_max <= 1")
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            problems.append(f"ema_decay={ema_decay} must be in (0, 1) (the reference's 0.9; null serves the policy "
+                            f"itself)")
         if problems:
             raise ValueError("diffusion_nft:\n  - " + "\n  - ".join(problems))
         self.reward = reward if reward is not None else ColourAlignment()
         self.beta, self.kl_beta, self.decay_type = beta, kl_beta, decay_type
         self.num_timesteps, self.sigma_min, self.sigma_max, self.shift = num_timesteps, sigma_min, sigma_max, shift
+        self.ema_decay = ema_decay
         self.policy = self.stage.transformer
         self.old: Optional[str] = None  # the behaviour policy and the frozen KL anchor, added with the card's roles
         self.reference: Optional[str] = None
@@ -88,6 +96,7 @@ class DiffusionNFT(ExpertModule):
         self.sync_plans.append(SyncPlan(self.policy, self.old, partial(nft_old_decay, self.decay_type)))
         if self.kl_beta > 0:
             self.reference = self.card.add_role("reference", of=self.policy)
+        self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = batch_schema.prompts(batch, "diffusion_nft")

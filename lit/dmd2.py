@@ -45,7 +45,6 @@ from posttrain.modules.gan import HEAD, attach_head, block_features, frozen
 from posttrain.modules.losses import (dmd_generator_loss, flow_matching_loss, gan_critic_loss, gan_generator_loss,
                                       noised, sample_sigmas, x0_from_velocity)
 from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.versions import SyncPlan, constant
 
 TEACHER_CFG = 4.5  # DMD2's anchor guidance of the real score: the default teacher sampler's
 
@@ -162,9 +161,7 @@ class DMD2(ExpertModule):
         super().setup_roles()
         if self.gan:  # the head is part of the critic: its optimizer, checkpoint entry and versions
             attach_head(self.card.models[self.critic], seed=self.run.seed)
-        if self.ema_decay is not None:  # the EMA copy serves (``serving_transformer``)
-            ema = self.card.add_role("ema", of=self.student)
-            self.sync_plans.append(SyncPlan(self.student, ema, constant(self.ema_decay)))
+        self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = list(batch["prompt"])

@@ -17,7 +17,6 @@ from typing import Literal, Optional
 
 import torch
 
-from posttrain.modules.versions import SyncPlan, constant
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.generators import VideoSize
@@ -59,9 +58,7 @@ class Finetune(ExpertModule):
         self.policy = self.stage.transformer
 
     def setup_roles(self) -> None:
-        if self.ema_decay is not None:  # the EMA copy serves (``serving_transformer``)
-            ema = self.card.add_role("ema", of=self.policy)
-            self.sync_plans.append(SyncPlan(self.policy, ema, constant(self.ema_decay)))
+        self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # 1. clean latents x0 (B, C, F', h, w): precomputed by the datamodule, or the frozen VAE's

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Callback
 
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.config import PosttrainCLI
@@ -92,6 +93,36 @@ def test_decay_type_0_keeps_old_equal_to_the_policy():
     assert model.card.versions["transformer_old"] == 2 and "transformer_reference" not in model.card.models
 
 
+def test_ema_follows_the_policy_steps_and_serves():
+    """``ema_decay`` (the reference evaluates its EMA): ``transformer_ema`` starts as the policy and after each policy
+    step moves to d·ema + (1-d)·policy; ``old`` trails on its own schedule, and ``generate`` samples the EMA."""
+    torch.manual_seed(0)
+    model = make(ema_decay=0.5)
+    model.configure_model()
+    assert model.serving_transformer == "transformer_ema"
+    expected, seen = snapshot(model.card["transformer"]), []
+
+    class AfterPolicySteps(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if "transformer" in pl_module.stepped:  # before the versions callback bumps and syncs
+                seen.append(snapshot(pl_module.card["transformer"]))
+
+    quick_trainer(3, callbacks=[AfterPolicySteps()]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    assert len(seen) == model.card.versions["transformer"] == model.card.versions["transformer_ema"] > 0
+    for policy in seen:
+        expected = {k: 0.5 * v + 0.5 * policy[k] for k, v in expected.items()}
+    ema = snapshot(model.card["transformer_ema"])
+    assert max((ema[k] - expected[k]).abs().max().item() for k in ema) < 1e-6
+    assert not same(ema, seen[-1]) and not same(ema, snapshot(model.card["transformer_old"]))
+    model.eval()
+    served = model.generate(PROMPTS[:1], seed=5, latents_only=True)
+    ema_weights = snapshot(model.card["transformer_ema"])
+    model.card["transformer_ema"].load_state_dict(snapshot(model.card["transformer"]))
+    assert not torch.allclose(served, model.generate(PROMPTS[:1], seed=5, latents_only=True))  # it was the EMA
+    model.card["transformer_ema"].load_state_dict(ema_weights)
+    assert torch.equal(served, model.generate(PROMPTS[:1], seed=5, latents_only=True))
+
+
 def test_constant_reward_changes_nothing():
     model = make(reward=ConstantReward(0.3))
     model.configure_model()
@@ -114,6 +145,8 @@ def test_bad_input_is_a_clear_error():
     assert "beta=0.0 must be > 0" in str(err.value)
     with pytest.raises(ValueError, match=r"reward 'NaNReward': total is not finite"):
         quick_trainer(1).fit(make(reward=NaNReward()), Prompts(prompts=PROMPTS, batch_size=2))
+    with pytest.raises(ValueError, match=r"ema_decay=1.0 must be in \(0, 1\) \(the reference's 0.9"):
+        make(ema_decay=1.0)
     with pytest.raises(ValueError, match="diffusion_nft: the batch holds no prompts"):
         make().training_step({"prompt": [], "index": torch.zeros(0, dtype=torch.long),
                               "group": torch.zeros(0, dtype=torch.long)}, 0)
