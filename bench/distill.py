@@ -37,7 +37,7 @@ from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # n
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
 from posttrain.modules.cards import compile_in_place  # noqa: E402
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
-from posttrain.modules.geneval import SyntheticGenEval  # noqa: E402
+from posttrain.modules.geneval import SyntheticGenEval, windows  # noqa: E402
 from posttrain.modules.media import grid  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,13 +75,6 @@ def row(name: str, scores: dict) -> str:
 
 
 # ---------------------------------------------------------------------- Self-Forcing on long clips (--per-chunk)
-
-
-def windows(videos: torch.Tensor) -> list[torch.Tensor]:
-    """(B, 3, F, H, W) -> the (B, 3, 5, H, W) windows of pixel frames [4(p-1), 4p], p = 1 .. (F-1)/4: window p ends on
-    latent frame p (the causal VAE's latent frame 0 is pixel frame 0, latent frame p pixel frames 4p-3 .. 4p), so it
-    shows what chunk position p generated, and it is the shipped world's clip length, which GenEval reads."""
-    return [videos[:, :, 4 * (p - 1):4 * p + 1] for p in range(1, (videos.shape[2] - 1) // 4 + 1)]
 
 
 def window_scores(prompts: list[str], reference: list[torch.Tensor], parts: list[torch.Tensor]) -> dict:

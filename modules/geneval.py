@@ -141,6 +141,13 @@ def judge_facts(videos: torch.Tensor, asked: Sequence[Facts], min_motion: float 
     return {fact: v.to(videos.device) for fact, v in verdicts.items()}
 
 
+def windows(videos: torch.Tensor) -> list[torch.Tensor]:
+    """(B, 3, F, H, W) -> the (B, 3, 5, H, W) windows of pixel frames [4(p-1), 4p], p = 1 .. (F-1)/4: window p ends on
+    latent frame p of a 4x temporal VAE (latent frame 0 is pixel frame 0, latent frame p pixel frames 4p-3 .. 4p), so
+    it shows what latent frame (or chunk position) p holds, at the world's clip length, which GenEval reads."""
+    return [videos[:, :, 4 * (p - 1):4 * p + 1] for p in range(1, (videos.shape[2] - 1) // 4 + 1)]
+
+
 class SyntheticGenEval(Metric):
     """Accuracy of each fact and of all four together, over every video seen (by every process).
 

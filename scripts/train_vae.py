@@ -55,33 +55,36 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules.geneval import SyntheticGenEval
+from posttrain.modules.geneval import SyntheticGenEval, windows
 from posttrain.modules.presets import PRESETS
+
+
+def held_out(args) -> tuple[torch.Tensor, list[str]]:
+    """The ``--eval-videos`` held-out videos (seed 999, never trained on) and their prompts."""
+    held = ShapesDataset(args.eval_videos, args.frames, args.size, args.size, seed=999, speed=args.speed)
+    return torch.stack([held[i]["video"] for i in range(len(held))]), [held[i]["prompt"] for i in range(len(held))]
+
+
+@torch.no_grad()
+def reconstruct(vae: AutoencoderKLWan, videos: torch.Tensor) -> torch.Tensor:
+    return torch.cat([vae.decode(vae.encode(videos[i:i + 16]).latent_dist.mode()).sample.clamp(-1, 1)
+                      for i in range(0, len(videos), 16)])
 
 
 def reconstruction_geneval(vae: AutoencoderKLWan, videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     metric = SyntheticGenEval()
-    with torch.no_grad():
-        for i in range(0, len(videos), 16):
-            z = vae.encode(videos[i:i + 16]).latent_dist.mode()
-            metric.update(vae.decode(z).sample.clamp(-1, 1), prompts[i:i + 16])
+    metric.update(reconstruct(vae, videos), prompts)
     return {k: round(float(v), 3) for k, v in metric.compute().items()}
 
 
-def reconstruction_windows(vae: AutoencoderKLWan, args) -> dict[str, float]:
-    """Synthetic GenEval all-four of held-out reconstructions per 5-frame window (frames 4k..4k+4): where in
-    a long clip the codec loses the facts."""
-    held = ShapesDataset(args.eval_videos, args.frames, args.size, args.size, seed=999, speed=args.speed)
-    videos = torch.stack([held[i]["video"] for i in range(len(held))])
-    prompts = [held[i]["prompt"] for i in range(len(held))]
+def reconstruction_windows(vae: AutoencoderKLWan, videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    """Synthetic GenEval all-four of the reconstructions per 5-frame window (frames 4(p-1) .. 4p,
+    ``modules.geneval.windows``): where in a long clip the codec loses the facts."""
     out = {}
-    with torch.no_grad():
-        recon = torch.cat([vae.decode(vae.encode(videos[i:i + 16]).latent_dist.mode()).sample.clamp(-1, 1)
-                           for i in range(0, len(videos), 16)])
-    for start in range(0, args.frames - 4, 4):
+    for p, window in enumerate(windows(reconstruct(vae, videos)), start=1):
         metric = SyntheticGenEval()
-        metric.update(recon[:, :, start:start + 5], prompts)
-        out[f"frames {start}-{start + 4}"] = round(float(metric.compute()["all"]), 3)
+        metric.update(window, prompts)
+        out[f"frames {4 * (p - 1)}-{4 * p}"] = round(float(metric.compute()["all"]), 3)
     return out
 
 
@@ -90,9 +93,7 @@ def train(vae: AutoencoderKLWan, params: list[torch.nn.Parameter], args, label: 
     """``args.steps`` AdamW steps on ``params`` (the rest of the VAE stays as it is), with checks; with
     ``restat`` the latents' per-channel statistics are measured again (a frozen encoder keeps its own)."""
     train_data = ShapesDataset(1_000_000, args.frames, args.size, args.size, seed=123, speed=args.speed)
-    held = ShapesDataset(args.eval_videos, args.frames, args.size, args.size, seed=999, speed=args.speed)
-    held_videos = torch.stack([held[i]["video"] for i in range(len(held))])
-    held_prompts = [held[i]["prompt"] for i in range(len(held))]
+    held_videos, held_prompts = held_out(args)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     # linear warm-up, then cosine decay to 0: the last, small steps are what sharpen the edges
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -166,11 +167,12 @@ def main() -> None:
         vae.encoder.requires_grad_(False)
         vae.quant_conv.requires_grad_(False)
         params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
+        held_videos, held_prompts = held_out(args)
         vae.eval()
-        print("before:", json.dumps(reconstruction_windows(vae, args)), flush=True)
+        print("before:", json.dumps(reconstruction_windows(vae, held_videos, held_prompts)), flush=True)
         vae.train()
         train(vae, params, args, "long-decoder", restat=False)
-        print("after:", json.dumps(reconstruction_windows(vae, args)), flush=True)
+        print("after:", json.dumps(reconstruction_windows(vae, held_videos, held_prompts)), flush=True)
         vae.save_pretrained(args.out, safe_serialization=True)
         print(f"saved {args.out}")
         return

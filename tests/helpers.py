@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from posttrain.modules.geneval import SyntheticGenEval, windows
 from posttrain.modules.rewards import Reward
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
@@ -124,3 +125,12 @@ def tiny_clip_folder(path: str) -> str:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def late_windows(videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    """Synthetic GenEval of the 5-frame windows ending on latent frames 2 .. 5 (``modules.geneval.windows``): the
+    latent frames after the first, where a long clip's continuation shows."""
+    metric = SyntheticGenEval()
+    for window in windows(videos)[1:]:
+        metric.update(window, prompts)
+    return {k: float(v) for k, v in metric.compute().items()}

@@ -334,17 +334,6 @@ def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_
     assert trainer.callback_metrics["train/once"] == 2.0
 
 
-def test_distill_windows_end_on_each_latent_frame():
-    """bench/distill.py --per-chunk scores 5-frame windows: of a 21-frame clip (6 latent frames of the 4x causal VAE:
-    latent frame 0 is pixel frame 0, latent frame p pixel frames 4p-3 .. 4p) window p holds frames 4(p-1) .. 4p, so it
-    ends on latent frame p; 5 windows, neighbours sharing one frame."""
-    import distill
-
-    video = torch.arange(21.0).view(1, 1, 21, 1, 1).expand(2, 3, 21, 2, 2)
-    parts = distill.windows(video)
-    assert [p[0, 0, :, 0, 0].tolist() for p in parts] == [[4.0 * (p - 1) + i for i in range(5)] for p in range(1, 6)]
-
-
 def test_gradient_noise_bench_runs():
     """bench/gradient_noise.py on both shipped caption-RL configs at learning rate 0, 6 iterations each."""
     out = run_bench("bench/gradient_noise.py", "--iterations", "6", "--set", "trainer.log_every_n_steps=1")

@@ -11,7 +11,7 @@ import torch
 import launch
 from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.modules.frechet import VAEFrameFeatures, VideoFrechetDistance
-from posttrain.modules.geneval import SyntheticGenEval, chance, judge, read_facts
+from posttrain.modules.geneval import SyntheticGenEval, chance, judge, read_facts, windows
 from posttrain.modules.presets import build_model
 from posttrain.modules.rewards import SyntheticGenEvalReward, score
 from posttrain.modules.world import FACTS, PALETTE, Facts, parse_caption, render
@@ -164,3 +164,13 @@ def test_frechet_distance_is_zero_for_identical_sets_and_ranks_closeness(one_thr
 def test_frechet_feature_needs_its_width():
     with pytest.raises(ValueError, match="num_features"):
         VideoFrechetDistance(torch.nn.Flatten())
+
+
+def test_windows_end_on_each_latent_frame():
+    """Long clips are scored in 5-frame windows (bench/distill.py --per-chunk, the long world's codec): of a 21-frame
+    clip (6 latent frames of the 4x causal VAE: latent frame 0 is pixel frame 0, latent frame p pixel frames
+    4p-3 .. 4p) window p holds frames 4(p-1) .. 4p, so it ends on latent frame p; 5 windows, neighbours sharing one
+    frame."""
+    video = torch.arange(21.0).view(1, 1, 21, 1, 1).expand(2, 3, 21, 2, 2)
+    parts = windows(video)
+    assert [p[0, 0, :, 0, 0].tolist() for p in parts] == [[4.0 * (p - 1) + i for i in range(5)] for p in range(1, 6)]

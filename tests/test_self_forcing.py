@@ -17,9 +17,8 @@ from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.geneval import SyntheticGenEval
 from posttrain.modules.samplers import FlowMatchSampler
-from tests.helpers import quick_trainer
+from tests.helpers import late_windows, quick_trainer
 from tests.test_dmd2 import adam, distill_card, fit_and_measure, weights
 
 WORLD21 = "modules/assets/world21"  # the long world (21-frame clips), as configs/self_forcing_long.yaml names it
@@ -188,14 +187,6 @@ def long_world_student(chunk_frames: int = 1) -> DMD2:
         "critic": Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-4), init_from="teacher")},
         text_max_length=64)
     return self_forcing(card, chunk_frames, run=RunArgs(frames=21, height=32, width=32))
-
-
-def late_windows(videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-    """Synthetic GenEval of the 5-frame windows ending on latent frames 2 .. 5 (bench/distill.py's windows)."""
-    metric = SyntheticGenEval()
-    for p in range(2, 6):
-        metric.update(videos[:, :, 4 * (p - 1):4 * p + 1], prompts)
-    return {k: float(v) for k, v in metric.compute().items()}
 
 
 def test_late_chunks_continue_the_earlier_ones_through_the_kv_cache_and_not_without_it():

@@ -134,13 +134,15 @@ def test_the_long_worlds_codec_decodes_the_whole_clip_where_the_5_frame_codec_lo
     """16 held-out 21-frame clips of the long world (the 5-frame world's pace continued), encoded and decoded: the
     5-frame codec's reconstructions lose the facts after the first 5 frames (all four 0.02-0.17 per later window in
     scripts/train_vae.py's check), the long world's codec (its decoder finetuned on 21-frame clips, the encoder the
-    same) keeps them (0.89-0.98); both encode to the same latents."""
+    same) keeps them (0.89-0.98); both encode to the same latents, and configs/self_forcing_long.yaml reads it."""
+    import yaml
     from diffusers import AutoencoderKLWan
 
-    from posttrain.modules.geneval import SyntheticGenEval
     from posttrain.modules.vae import decode, encode
+    from posttrain.modules.world import PACE
+    from tests.helpers import late_windows
 
-    data = ShapesDataset(16, 21, SIZE, SIZE, seed=777, speed=0.0625)
+    data = ShapesDataset(16, 21, SIZE, SIZE, seed=777, speed=PACE)
     videos = torch.stack([data[i]["video"] for i in range(16)])
     clip_prompts = [data[i]["prompt"] for i in range(16)]
     short = presets.build_model("wan_vae").eval()
@@ -148,13 +150,9 @@ def test_the_long_worlds_codec_decodes_the_whole_clip_where_the_5_frame_codec_lo
     z = encode(short, videos)
     assert torch.equal(z, encode(long, videos))
 
-    def late(vae) -> float:
-        metric = SyntheticGenEval()
-        recon = decode(vae, z)
-        for start in range(4, 17, 4):  # the windows of frames 4-8 ... 16-20
-            metric.update(recon[:, :, start:start + 5], clip_prompts)
-        return float(metric.compute()["all"])
-
-    long_score, short_score = late(long), late(short)
+    long_score, short_score = (late_windows(decode(vae, z), clip_prompts)["all"] for vae in (long, short))
+    with open("configs/self_forcing_long.yaml") as f:  # the long world's config reads it
+        experts = yaml.safe_load(f)["model"]["init_args"]["card"]["experts"]
+    assert experts["vae"] == {"arch": "wan_vae", "pretrained": "modules/assets/world21", "subfolder": "wan_vae"}
     print(f"late windows, all four: long codec {long_score:.3f}, 5-frame codec {short_score:.3f}")
     assert long_score >= 0.75 and short_score <= 0.3, (long_score, short_score)
