@@ -77,7 +77,9 @@ class DMD2(ExpertModule):
             student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
         regression_weight: weight of DMD's regression loss (Yin et al. 2023, the first DMD): the student's first
             step from a teacher pair's noise regresses onto the teacher's sample from that noise (latent MSE), added
-            to the student's loss; 0 = off (DMD2's choice at ImageNet scale). Not for a chunked student.
+            to the student's loss; 0 = off (DMD2's choice at ImageNet scale). A chunked student regresses each
+            chunk's first step, rolled out chunk by chunk through its KV cache (as CausVid's ODE initialisation
+            regresses a causal student onto the teacher's ODE).
         regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
         ema_decay: keep ``transformer_ema``, an EMA of the student with this decay per student step, and serve it
             (samples, validation, ``predict``; Self-Forcing's ``ema_weight``, anchor 0.99); None keeps none.
@@ -131,10 +133,6 @@ class DMD2(ExpertModule):
         if regression_weight < 0 or regression_pairs < 1:
             problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
                             f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
-        elif regression_weight > 0 and sampler.chunk_frames is not None:
-            problems.append(f"regression_weight={regression_weight} regresses the student's first step over the whole "
-                            f"video, but sampler.chunk_frames={sampler.chunk_frames} rolls it out chunk by chunk "
-                            f"(Self-Forcing): set regression_weight: 0")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
         if real_guidance_scale is not None and real_guidance_scale < 1.0:
@@ -210,7 +208,12 @@ class DMD2(ExpertModule):
             if self.regression_weight > 0:  # DMD's regression: the first step maps a teacher pair's noise to its sample
                 pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
                 noise, target = self.teacher_pairs(prompts, pairs)
-                regression = (self.student_x0_from(target, noise, 0, cond).float() - target).pow(2)
+                if self.sampler.chunk_frames is None:
+                    first = self.student_x0_from(target, noise, 0, cond)
+                else:  # a block-causal student: each chunk's first step, through the KV cache of those before it
+                    first = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
+                                              rng=self.generator).latents
+                regression = (first.float() - target).pow(2)
                 regression = regression.mean(dim=tuple(range(1, regression.ndim)))
                 loss = loss + self.regression_weight * regression.to(per_sample).mean()
                 self.log(f"train/regression_loss/{self.student}", regression.detach().mean(), on_step=True)
