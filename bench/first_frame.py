@@ -27,6 +27,16 @@ def rounded(values) -> list[float]:
     return [round(float(v), 2) for v in values]
 
 
+def per_channel(latents: torch.Tensor, frame: int) -> list[float]:
+    """(B, C, F, h, w) -> the mean of each channel of latent frame ``frame``."""
+    return rounded(latents[:, :, frame].mean(dim=(0, 2, 3)))
+
+
+def first(videos: torch.Tensor) -> list[float]:
+    """(B, 3, F, H, W) -> the first pixel frame's mean RGB."""
+    return rounded(videos[:, :, 0].mean(dim=(0, 2, 3)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/self_forcing_long.yaml")
@@ -42,11 +52,9 @@ def main() -> None:
         frames = range(latents.shape[2])
         print(f"{name}: latent frame mean / std", [rounded((latents[:, :, f].mean(), latents[:, :, f].std()))
                                                    for f in frames])
-    per_channel = lambda latents, f: rounded(latents[:, :, f].mean(dim=(0, 2, 3)))  # noqa: E731
     print("per-channel mean, teacher's first latent frame:", per_channel(teacher_latents, 0))
     print("per-channel mean, teacher's fourth latent frame:", per_channel(teacher_latents, 3))
     print("per-channel mean, student's first latent frame:", per_channel(student_latents, 0))
-    first = lambda videos: rounded(videos[:, :, 0].mean(dim=(0, 2, 3)))  # noqa: E731
     print("first pixel frame, mean RGB in [-1, 1]: teacher", first(teacher_videos), "student", first(student_videos))
     spliced = teacher_latents.clone()
     spliced[:, :, 0] = student_latents[:, :, 0]

@@ -208,11 +208,10 @@ class DMD2(ExpertModule):
             if self.regression_weight > 0:  # DMD's regression: the first step maps a teacher pair's noise to its sample
                 pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
                 noise, target = self.teacher_pairs(prompts, pairs)
-                if self.sampler.chunk_frames is None:
-                    first = self.student_x0_from(target, noise, 0, cond)
-                else:  # a block-causal student: each chunk's first step, through the KV cache of those before it
-                    first = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
-                                              rng=self.generator).latents
+                # the student's first step from the pair's noise, as it serves (a block-causal student's chunk by
+                # chunk through its KV cache)
+                first = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
+                                          rng=self.generator).latents
                 regression = (first.float() - target).pow(2)
                 regression = regression.mean(dim=tuple(range(1, regression.ndim)))
                 loss = loss + self.regression_weight * regression.to(per_sample).mean()

@@ -279,6 +279,12 @@ def test_distill_bench_runs():
     assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
 
 
+def test_first_frame_bench_runs():
+    out = run_bench("bench/first_frame.py", "--prompts", "1")
+    assert "1 prompts; chunks of 1 latent frame(s)" in out
+    assert "per-channel mean, student's first latent frame:" in out and "first pixel frame" in out
+
+
 def test_optimizer_bench_runs():
     out = run_bench("bench/optimizer.py", "--tiny", "--blocks", "1", "--per-block", "1")
     assert "fused/default" in out and "largest difference" in out

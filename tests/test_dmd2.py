@@ -424,7 +424,6 @@ def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pair
         return (x0 - y).pow(2).mean(dim=(0, 1, 3, 4))  # per latent frame = per chunk
 
     with_term, without = first_step_error(10.0), first_step_error(0.0)
-    print("first-step error per chunk, with the term:", with_term.tolist(), "without:", without.tolist())
     assert with_term[0] < 0.7 * without[0], (with_term, without)
     assert with_term[1:].mean() < 0.8 * without[1:].mean(), (with_term, without)
 
