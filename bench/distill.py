@@ -16,6 +16,7 @@ its samples come to the teacher's many-step CFG samples, before and after ``fit`
     python bench/distill.py --config configs/self_forcing.yaml --grid docs/distill/self_forcing.png
     python bench/distill.py --steps 100 --prompts 32
     python bench/distill.py --students 2 --compile-decode    # also time with the VAE's decoder compiled
+    python bench/distill.py --students 1 2 4 --channels-last --time-only   # the VAE channels-last, timing alone
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from timing import compare, interleave  # noqa: E402
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # noqa: E402
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
-from posttrain.modules.cards import compile_in_place  # noqa: E402
+from posttrain.modules.cards import compile_in_place, to_channels_last  # noqa: E402
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
 from posttrain.modules.geneval import SyntheticGenEval, windows  # noqa: E402
 from posttrain.modules.media import grid  # noqa: E402
@@ -286,6 +287,12 @@ def main() -> None:
                         help="with --students: also time both sides with the VAE's decoder compiled (torch.compile, as "
                              "an expert's `compile: true` does), after the eager timing; the evaluation then decodes "
                              "with it too")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="with --students: also time both sides with the VAE's convolutions channels-last (the "
+                             "expert option `channels_last: true`), after the eager timing (before compiling, with "
+                             "--compile-decode); the evaluation then decodes with it too")
+    parser.add_argument("--time-only", action="store_true", help="with --students: the timings alone, no fit or "
+                        "evaluation (the student's weights do not change its time)")
     parser.add_argument("--per-chunk", action="store_true", help="Self-Forcing: scores per window position and past "
                         "the clip (plain and rolling KV cache), over --seeds fits (self_forcing_bench)")
     parser.add_argument("--control", action="store_true", help="with --per-chunk: also a zero student lr fit")
@@ -413,15 +420,23 @@ def students(args, overrides: list[str]) -> None:
                     one = prompts[:args.batch]
                     ratio = time_sampling(module, one, args.blocks, name=f"time {n}-step student/teacher")
                     timing = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks))
-                    if args.compile_decode:  # the same VAE decodes both sides: compile it, warm up, time again
-                        compile_in_place(module.card.models[module.stage.vae])
-                        started = time.perf_counter()
+                    if args.channels_last or args.compile_decode:  # the same VAE decodes both sides: time again
+                        vae = module.card.models[module.stage.vae]
+                        how = " and ".join(what for what, asked in (("channels-last", args.channels_last),
+                                                                    ("compiled", args.compile_decode)) if asked)
+                        if args.channels_last:
+                            to_channels_last(vae)
+                        if args.compile_decode:
+                            compile_in_place(vae)
+                        started = time.perf_counter()  # compiling happens in the first call
                         samples(module, one, module.sampler, "transformer", len(one))
                         compile_s = time.perf_counter() - started
-                        ratio = time_sampling(module, one, args.blocks, note=", VAE decoder compiled",
-                                              name=f"time {n}-step student/teacher, compiled decoder")
-                        compiled[n] = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks),
+                        ratio = time_sampling(module, one, args.blocks, note=f", VAE {how}",
+                                              name=f"time {n}-step student/teacher, VAE {how}")
+                        compiled[n] = (how, ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks),
                                        compile_s)
+                    if args.time_only:
+                        break
                     start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
                     before = closeness(prompts, teacher, start)
                 module.train()
@@ -434,7 +449,10 @@ def students(args, overrides: list[str]) -> None:
                 print(f"{n} steps, seed {seed}: {after[-1]}", flush=True)
                 if seed == args.seeds[0]:
                     sheet.append((n, start[1], done[1], cli.trainer.global_step))
-            rows.append((n, timing, before, after))
+            if not args.time_only:
+                rows.append((n, timing, before, after))
+            else:
+                rows.append((n, timing, None, None))
     print(f"\n{len(prompts)} held-out prompts (captions the training prompts never name, seen concepts), noise seeds "
           f"from {HELD_OUT_SEED}; target: the teacher, {module.teacher_sampler.num_steps} steps, CFG "
           f"{module.teacher_sampler.guidance_scale}: GenEval all {target['all']:.3f}, motion {target['motion']:.3f}")
@@ -444,13 +462,18 @@ def students(args, overrides: list[str]) -> None:
           "time | GenEval all: before → after | motion: before → after | Fréchet to the teacher: before → after "
           "| fit (s) |\n|---|---|---|---|---|---|---|")
     for n, (ratio, decode, text), before, after in rows:
+        if after is None:
+            print(f"| {n} | {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
+                  f"(×{1 / ratio.median:.1f}) | {decode:.0%} / {text:.0%} | – | – | – | – |")
+            continue
         print(f"| {n} | {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
               f"(×{1 / ratio.median:.1f}) | "
               f"{decode:.0%} / {text:.0%} | {before['all']:.3f} → {spread([a['all'] for a in after])} | "
               f"{before['motion']:.3f} → {spread([a['motion'] for a in after])} | {before['frechet']:.3f} → "
               f"{spread([a['frechet'] for a in after])} | {spread([a['fit_s'] for a in after], 0)} |")
-    for n, (ratio, decode, text, compile_s) in compiled.items():
-        print(f"\n{n} steps, the VAE's decoder compiled (both sides; compile and warm-up {compile_s:.0f} s): time "
+    for n, (how, ratio, decode, text, compile_s) in compiled.items():
+        first = f"; compile and warm-up {compile_s:.0f} s" if "compiled" in how else ""
+        print(f"\n{n} steps, the VAE {how} (both sides{first}): time "
               f"student/teacher {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
               f"(×{1 / ratio.median:.1f}); decode / text-encoding share of the student's time {decode:.0%} / {text:.0%}")
     if args.grid:

@@ -76,6 +76,10 @@ class Expert:
     # torch.compile in place (state dict unchanged): the model's forward; a VAE's encoder and decoder, which its
     # encode/decode call (they never call its forward)
     compile: bool = False
+    # convolution weights in channels-last memory (Conv3d: channels_last_3d, Conv2d: channels_last), so a conv
+    # net's activations follow; values unchanged, kernels rounded differently (~1e-5). What pays: a VAE on the CPU,
+    # whose decoder normalises over channels (bench/decode.py)
+    channels_last: bool = False
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -165,6 +169,9 @@ class ModelCard(nn.Module):
                 elif source.init_from is not None:
                     problems.append(f"expert {name!r}: init_from={spec.init_from!r}, which itself has init_from="
                                     f"{source.init_from!r}; point {name!r} at {source.init_from!r} directly")
+            if spec.channels_last and spec.sharded:
+                problems.append(f"expert {name!r}: channels_last with sharded=true: DeepSpeed flattens a sharded "
+                                f"expert's weights into its own buffers; drop one of the two")
             if spec.attention_backend is not None and spec.arch not in presets.DIFFUSERS_ARCHS:
                 problems.append(f"expert {name!r}: attention_backend is a diffusers option; {spec.arch!r} is a "
                                 f"transformers model")
@@ -208,6 +215,9 @@ class ModelCard(nn.Module):
                 model.gradient_checkpointing_enable()
             if spec.attention_backend is not None:
                 model.set_attention_backend(spec.attention_backend)
+            if spec.channels_last and not to_channels_last(model):
+                raise ValueError(f"expert {name!r}: channels_last=true, but {type(model).__name__} has no 2-D or 3-D "
+                                 f"convolution to lay out; remove the option")
             if spec.compile:
                 compile_in_place(model)
             self.models[name] = model
@@ -346,6 +356,20 @@ class Routed:
     @property  # isinstance(card[name], WanTransformer3DModel) holds for a routed expert too
     def __class__(self):
         return type(self.model)
+
+
+@torch.no_grad()
+def to_channels_last(model: nn.Module) -> int:
+    """Every Conv2d / Conv3d weight of ``model`` to channels-last memory in place (the same values and state-dict
+    keys; ``load_state_dict`` copies into the layout); returns how many."""
+    formats = {nn.Conv2d: torch.channels_last, nn.Conv3d: torch.channels_last_3d}
+    count = 0
+    for module in model.modules():
+        fmt = next((f for kind, f in formats.items() if isinstance(module, kind)), None)
+        if fmt is not None:
+            module.weight.data = module.weight.data.contiguous(memory_format=fmt)
+            count += 1
+    return count
 
 
 def compile_in_place(model: nn.Module) -> None:

@@ -17,6 +17,7 @@ from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
+from posttrain.modules import vae as codec
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.grpo import GRPOArgs
 from posttrain.modules.rewards import ColourAlignment, ConstantReward, MotionAlignment, score
@@ -179,3 +180,30 @@ def test_compile_compiles_what_serving_runs():
     assert transformer._compiled_call_impl is not None
     for name in ("vae", "transformer"):
         assert list(card.models[name].state_dict()) == list(plain.models[name].state_dict())
+
+
+def test_channels_last_lays_out_a_vaes_convolutions_and_decodes_the_same():
+    """``channels_last: true``: every 3-D convolution of the Wan VAE (and a 2-D one of the KL VAE) is channels-last,
+    decoding gives the same pixels up to kernel rounding, the state dict has the same keys and values; an expert with
+    no convolution and a sharded one are refused by name. (Whether it pays: bench/decode.py.)"""
+    plain = ModelCard({"vae": Expert(arch="wan_vae"), "kl": Expert(arch="vae_kl")})
+    plain.build()
+    card = ModelCard({"vae": Expert(arch="wan_vae", channels_last=True), "kl": Expert(arch="vae_kl", channels_last=True)})
+    card.build()
+    convs = [m for m in card.models["vae"].modules() if isinstance(m, torch.nn.Conv3d)]
+    assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last_3d) for m in convs)
+    assert not all(m.weight.is_contiguous() for m in convs)
+    convs2d = [m for m in card.models["kl"].modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs2d and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs2d)
+    for name in ("vae", "kl"):
+        ours, theirs = card.models[name].state_dict(), plain.models[name].state_dict()
+        assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    latents = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast, slow = codec.decode(card.models["vae"], latents), codec.decode(plain.models["vae"], latents)
+    assert (fast - slow).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="channels_last=true, but .* has no 2-D or 3-D convolution"):
+        ModelCard({"text_encoder": Expert(arch="umt5", channels_last=True)}).build()
+    with pytest.raises(ValueError, match="channels_last with sharded=true"):
+        ModelCard({"transformer": Expert(arch="wan_t2v", channels_last=True, sharded=True, trainable=True,
+                                         optimizer=adamw())})
