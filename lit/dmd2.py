@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -81,6 +81,11 @@ class DMD2(ExpertModule):
             chunk's first step, rolled out chunk by chunk through its KV cache (as CausVid's ODE initialisation
             regresses a causal student onto the teacher's ODE).
         regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
+        regression_steps: which of the student's steps regress: ``first`` (DMD's: the first step from the pair's
+            noise, as above) or ``every`` (CausVid's ODE regression: a random step k of the list, the same on every
+            process, from the pair's sample noised by the pair's noise to σ_k — the input the step serves on when
+            the steps before it drew the teacher's sample — onto that sample; a block-causal student runs the whole
+            clip at σ_k under its chunk mask, so its first chunk sees nothing before it, as it serves).
         ema_decay: keep ``transformer_ema``, an EMA of the student with this decay per student step, and serve it
             (samples, validation, ``predict``; Self-Forcing's ``ema_weight``, anchor 0.99); None keeps none.
         real_guidance_scale: the CFG scale of the real score (DMD2's ``real_guidance_scale``); None = the teacher
@@ -92,7 +97,8 @@ class DMD2(ExpertModule):
                  backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
-                 regression_pairs: int = 4, ema_decay: Optional[float] = None,
+                 regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
+                 ema_decay: Optional[float] = None,
                  real_guidance_scale: Optional[float] = None, run: Optional[RunArgs] = None):
         problems = []
         sampler = sampler or FlowMatchSampler(
@@ -133,6 +139,9 @@ class DMD2(ExpertModule):
         if regression_weight < 0 or regression_pairs < 1:
             problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
                             f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
+        if regression_steps not in ("first", "every"):
+            problems.append(f"regression_steps={regression_steps!r} must be 'first' (DMD's) or 'every' (CausVid's ODE "
+                            f"regression)")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
         if real_guidance_scale is not None and real_guidance_scale < 1.0:
@@ -146,6 +155,7 @@ class DMD2(ExpertModule):
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
+        self.regression_steps = regression_steps
         self.ema_decay = ema_decay
         self.real_guidance_scale = real_guidance_scale
         # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
@@ -208,11 +218,14 @@ class DMD2(ExpertModule):
             if self.regression_weight > 0:  # DMD's regression: the first step maps a teacher pair's noise to its sample
                 pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
                 noise, target = self.teacher_pairs(prompts, pairs)
-                # the student's first step from the pair's noise, as it serves (a block-causal student's chunk by
-                # chunk through its KV cache)
-                first = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
-                                          rng=self.generator).latents
-                regression = (first.float() - target).pow(2)
+                if self.regression_steps == "first":  # the first step from the pair's noise, as it serves (a
+                    # block-causal student's chunk by chunk through its KV cache)
+                    x0_hat = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
+                                               rng=self.generator).latents
+                else:  # a random step on the pair's sample noised by its noise (ODE regression)
+                    step = int(torch.randint(self.sampler.num_steps, (1,), generator=self.shared_generator))
+                    x0_hat = self.student_x0_from(target, noise, step, cond)
+                regression = (x0_hat.float() - target).pow(2)
                 regression = regression.mean(dim=tuple(range(1, regression.ndim)))
                 loss = loss + self.regression_weight * regression.to(per_sample).mean()
                 self.log(f"train/regression_loss/{self.student}", regression.detach().mean(), on_step=True)
@@ -284,8 +297,10 @@ class DMD2(ExpertModule):
         schedule = self.stage.schedule(self.sampler, tuple(noise.shape[1:]), noise.device)
         sigma = schedule.sigmas[step].expand(len(noise))
         x = noised(clean, noise, sigma)
+        chunk = self.sampler.chunk_frames  # a block-causal student: the whole clip under its chunks' mask
         with self.stage.velocity(self.student) as student:
-            v = self.sampler.velocity(student, x, schedule.timesteps[step], cond)
+            run = student if chunk is None else lambda x, t, c: student(x, t, c, num_frames_per_chunk=chunk)
+            v = self.sampler.velocity(run, x, schedule.timesteps[step], cond)
         return x0_from_velocity(x, v, sigma)
 
     def teacher_samples(self, prompts: list[str]) -> torch.Tensor:

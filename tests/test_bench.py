@@ -285,6 +285,11 @@ def test_first_frame_bench_runs():
     assert "per-channel mean, student's first latent frame:" in out and "first pixel frame" in out
 
 
+def test_decode_bench_runs():
+    out = run_bench("bench/decode.py", "--batch", "1", "--blocks", "1", "--per-block", "1")
+    assert "largest pixel difference" in out and "channels_last / stored" in out and "linalg_vector_norm" in out
+
+
 def test_optimizer_bench_runs():
     out = run_bench("bench/optimizer.py", "--tiny", "--blocks", "1", "--per-block", "1")
     assert "fused/default" in out and "largest difference" in out
@@ -297,6 +302,13 @@ def test_distill_bench_students_rows(tmp_path):
                     "--blocks", "1", "--grid", str(sheet))
     assert "held-out prompts" in out and out.count("| 1 | ") == 1 and out.count("| 2 | ") == 1
     assert sheet.is_file()
+
+
+def test_distill_bench_times_channels_last_alone():
+    """``--channels-last --time-only``: both timings and the channels-last line, no fit and no scores."""
+    out = run_bench("bench/distill.py", "--students", "2", "--prompts", "2", "--batch", "2", "--blocks", "1",
+                    "--channels-last", "--time-only")
+    assert "VAE channels-last" in out and "| 2 | " in out and "| – | – | – | – |" in out and "steps, seed 0:" not in out
 
 
 def test_reward_server_bench_runs():

@@ -428,6 +428,30 @@ def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pair
     assert with_term[1:].mean() < 0.8 * without[1:].mean(), (with_term, without)
 
 
+def test_ode_regression_pulls_every_step_of_a_chunked_student_to_the_pairs():
+    """``regression_steps: every`` (CausVid's ODE regression): a random step of the list regresses from the pair's
+    sample noised by its noise to that step's σ onto the sample. 12 iterations with it bring a later step's x̂0 (here
+    step 2, which DMD's first-step term never trains) and the first chunk's closer to the pairs than the same run
+    without it."""
+    def step_error(weight: float, step: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        trained = DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1),
+                       generator_update_ratio=1, teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
+                       run=SIZE, regression_weight=weight, regression_pairs=1, regression_steps="every")
+        quick_trainer(max_steps=12).fit(trained, prompts())
+        trained.eval()
+        names = prompts().prompt_list()
+        with torch.no_grad():
+            z, y = trained.teacher_pairs(names, [0] * len(names))
+            cond = trained.stage.condition(names, trained.device)
+            x0 = trained.student_x0_from(y, z, step, cond)
+        return (x0 - y).pow(2).mean(dim=(0, 1, 3, 4))  # per latent frame = per chunk
+
+    with_term, without = step_error(10.0, 2), step_error(0.0, 2)
+    assert with_term[0] < 0.7 * without[0], (with_term, without)
+    assert with_term.mean() < 0.7 * without.mean(), (with_term, without)
+
+
 def test_real_guidance_scale_guides_the_real_score_only():
     """``real_guidance_scale`` sets the CFG of the real score in the student's loss and nothing else: at 1 the
     teacher's forward there is one unguided pass (batch B, not the cond + uncond 2B); the teacher's own samples
@@ -458,6 +482,8 @@ def test_bad_settings_name_the_option():
         dmd2(distill_card(teacher=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3))))
     with pytest.raises(ValueError, match=r"'critic' \(the fake score\) has arch 'umt5'"):
         dmd2(distill_card(critic=Expert(arch="umt5", trainable=True, optimizer=adam(1e-3))))
+    with pytest.raises(ValueError, match=r"regression_steps='all' must be 'first' \(DMD's\) or 'every'"):
+        dmd2(regression_steps="all")
     with pytest.raises(ValueError, match=r"student_steps=0 must be >= 1"):
         dmd2(student_steps=0)
     with pytest.raises(ValueError, match=r"student_steps=2 but sampler.step_sigmas=\[1.0, 0.75, 0.5, 0.25\] lists 4"):
