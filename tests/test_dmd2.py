@@ -8,6 +8,8 @@ student's samples closer to the teacher's (``fit_and_measure``, shared with test
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -405,25 +407,32 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     assert with_term < 0.7 * without, (with_term, without)
 
 
+def chunked_regression_error(weight: float, regression_steps: str, step: Optional[int] = None) -> torch.Tensor:
+    """Per chunk (1 latent frame each), the squared error to the teacher's pairs of a block-causal student after 12
+    iterations with the regression term at ``weight``: of its first step served chunk by chunk through the KV cache
+    (``step`` None), or of step ``step`` on the pair's sample noised to that step's σ (``student_x0_from``)."""
+    torch.manual_seed(0)
+    trained = DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1),
+                   generator_update_ratio=1, teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
+                   run=SIZE, regression_weight=weight, regression_pairs=1, regression_steps=regression_steps)
+    quick_trainer(max_steps=12).fit(trained, prompts())
+    trained.eval()
+    names = prompts().prompt_list()
+    with torch.no_grad():
+        z, y = trained.teacher_pairs(names, [0] * len(names))
+        cond = trained.stage.condition(names, trained.device)
+        if step is None:
+            x0 = trained.stage.sample(trained.sampler, z, cond, None, name="transformer", exit_step=0).latents
+        else:
+            x0 = trained.student_x0_from(y, z, step, cond)
+    return (x0 - y).pow(2).mean(dim=(0, 1, 3, 4))
+
+
 def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pairs():
     """The same term for a block-causal (Self-Forcing) student: its first step runs chunk by chunk (1 latent frame
     each) through the KV cache, and each chunk's x̂0 regresses onto its part of the teacher's sample. 12 iterations
     with the term bring the first chunk and the later ones closer to the pairs than the same run without it."""
-    def first_step_error(weight: float) -> torch.Tensor:
-        torch.manual_seed(0)
-        trained = DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1),
-                       generator_update_ratio=1, teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
-                       run=SIZE, regression_weight=weight, regression_pairs=1)
-        quick_trainer(max_steps=12).fit(trained, prompts())
-        trained.eval()
-        names = prompts().prompt_list()
-        with torch.no_grad():
-            z, y = trained.teacher_pairs(names, [0] * len(names))
-            cond = trained.stage.condition(names, trained.device)
-            x0 = trained.stage.sample(trained.sampler, z, cond, None, name="transformer", exit_step=0).latents
-        return (x0 - y).pow(2).mean(dim=(0, 1, 3, 4))  # per latent frame = per chunk
-
-    with_term, without = first_step_error(10.0), first_step_error(0.0)
+    with_term, without = chunked_regression_error(10.0, "first"), chunked_regression_error(0.0, "first")
     assert with_term[0] < 0.7 * without[0], (with_term, without)
     assert with_term[1:].mean() < 0.8 * without[1:].mean(), (with_term, without)
 
@@ -431,25 +440,13 @@ def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pair
 def test_ode_regression_pulls_every_step_of_a_chunked_student_to_the_pairs():
     """``regression_steps: every`` (CausVid's ODE regression): a random step of the list regresses from the pair's
     sample noised by its noise to that step's σ onto the sample. 12 iterations with it bring a later step's x̂0 (here
-    step 2, which DMD's first-step term never trains) and the first chunk's closer to the pairs than the same run
-    without it."""
-    def step_error(weight: float, step: int) -> torch.Tensor:
-        torch.manual_seed(0)
-        trained = DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1),
-                       generator_update_ratio=1, teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
-                       run=SIZE, regression_weight=weight, regression_pairs=1, regression_steps="every")
-        quick_trainer(max_steps=12).fit(trained, prompts())
-        trained.eval()
-        names = prompts().prompt_list()
-        with torch.no_grad():
-            z, y = trained.teacher_pairs(names, [0] * len(names))
-            cond = trained.stage.condition(names, trained.device)
-            x0 = trained.student_x0_from(y, z, step, cond)
-        return (x0 - y).pow(2).mean(dim=(0, 1, 3, 4))  # per latent frame = per chunk
-
-    with_term, without = step_error(10.0, 2), step_error(0.0, 2)
-    assert with_term[0] < 0.7 * without[0], (with_term, without)
-    assert with_term.mean() < 0.7 * without.mean(), (with_term, without)
+    step 2) and the first chunk's closer to the pairs than the same run without the term, and than DMD's
+    first-step term at the same weight."""
+    every, without = chunked_regression_error(10.0, "every", step=2), chunked_regression_error(0.0, "every", step=2)
+    first = chunked_regression_error(10.0, "first", step=2)
+    assert every[0] < 0.7 * without[0], (every, without)
+    assert every.mean() < 0.7 * without.mean(), (every, without)
+    assert every.mean() < first.mean(), (every, first)
 
 
 def test_real_guidance_scale_guides_the_real_score_only():
