@@ -401,7 +401,7 @@ def students(args, overrides: list[str]) -> None:
     then GenEval, motion and Fréchet distance to the teacher's samples before (the teacher's weights at the student's
     steps, which is also the zero-student-lr control: lr 0 leaves the student bitwise, tests/test_dmd2.py) and after
     ``fit``."""
-    rows, sheet, teacher, target, prompts, compiled = [], [], None, None, None, {}
+    rows, sheet, teacher, target, prompts, faster = [], [], None, None, None, {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.students:
             after, before, timing = [], None, None
@@ -433,7 +433,7 @@ def students(args, overrides: list[str]) -> None:
                         compile_s = time.perf_counter() - started
                         ratio = time_sampling(module, one, args.blocks, note=f", VAE {how}",
                                               name=f"time {n}-step student/teacher, VAE {how}")
-                        compiled[n] = (how, ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks),
+                        faster[n] = (how, ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks),
                                        compile_s)
                     if args.time_only:
                         break
@@ -449,10 +449,7 @@ def students(args, overrides: list[str]) -> None:
                 print(f"{n} steps, seed {seed}: {after[-1]}", flush=True)
                 if seed == args.seeds[0]:
                     sheet.append((n, start[1], done[1], cli.trainer.global_step))
-            if not args.time_only:
-                rows.append((n, timing, before, after))
-            else:
-                rows.append((n, timing, None, None))
+            rows.append((n, timing, before, after))
     print(f"\n{len(prompts)} held-out prompts (captions the training prompts never name, seen concepts), noise seeds "
           f"from {HELD_OUT_SEED}; target: the teacher, {module.teacher_sampler.num_steps} steps, CFG "
           f"{module.teacher_sampler.guidance_scale}: GenEval all {target['all']:.3f}, motion {target['motion']:.3f}")
@@ -462,7 +459,7 @@ def students(args, overrides: list[str]) -> None:
           "time | GenEval all: before → after | motion: before → after | Fréchet to the teacher: before → after "
           "| fit (s) |\n|---|---|---|---|---|---|---|")
     for n, (ratio, decode, text), before, after in rows:
-        if after is None:
+        if not after:  # --time-only
             print(f"| {n} | {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
                   f"(×{1 / ratio.median:.1f}) | {decode:.0%} / {text:.0%} | – | – | – | – |")
             continue
@@ -471,7 +468,7 @@ def students(args, overrides: list[str]) -> None:
               f"{decode:.0%} / {text:.0%} | {before['all']:.3f} → {spread([a['all'] for a in after])} | "
               f"{before['motion']:.3f} → {spread([a['motion'] for a in after])} | {before['frechet']:.3f} → "
               f"{spread([a['frechet'] for a in after])} | {spread([a['fit_s'] for a in after], 0)} |")
-    for n, (how, ratio, decode, text, compile_s) in compiled.items():
+    for n, (how, ratio, decode, text, compile_s) in faster.items():
         first = f"; compile and warm-up {compile_s:.0f} s" if "compiled" in how else ""
         print(f"\n{n} steps, the VAE {how} (both sides{first}): time "
               f"student/teacher {ratio.median:.3f} [{ratio.coverage:.0%} CI {ratio.ci[0]:.3f}–{ratio.ci[1]:.3f}] "
