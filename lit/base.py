@@ -197,7 +197,7 @@ class ExpertModule(ExactResume, DeferredLogging):
                 config["lr_scheduler"] = {"scheduler": spec.scheduler(optimizer), "interval": "step",
                                           "name": f"lr/{name}"}
             configs.append(config)
-        return configs or None
+        return configs  # empty when DeepSpeed's engines hold every optimizer (None would warn "no optimizer")
 
     # ------------------------------------------------------------------ experts
     def optimizer_of(self, name: str) -> torch.optim.Optimizer:

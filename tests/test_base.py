@@ -14,6 +14,11 @@ from tests.helpers import quick_trainer
 SIZE = RunArgs(frames=5, height=16, width=16)
 
 
+def videos(num_samples: int):
+    """Training batches alone: these modules have no ``validation_step``."""
+    return SyntheticVideos(num_samples=num_samples, batch_size=2).train_dataloader()
+
+
 class Leaky(ExpertModule):
     """The student's loss reads the critic's output *with* grad (a forgotten ``no_grad``) — or not."""
 
@@ -46,10 +51,10 @@ def test_a_backward_into_an_expert_not_stepped_is_refused():
     module.configure_model()
     critic = {k: v.clone() for k, v in module.card["critic"].state_dict().items()}
     with pytest.raises(GradientLeakError, match=r"meant for \['transformer'\] would write gradients into \['critic'\]"):
-        quick_trainer(max_steps=2).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+        quick_trainer(max_steps=2).fit(module, videos(4))
     assert all(torch.equal(v, module.card["critic"].state_dict()[k]) for k, v in critic.items())
     clean = Leaky(card(), leak=False)
-    quick_trainer(max_steps=2).fit(clean, SyntheticVideos(num_samples=4, batch_size=2))
+    quick_trainer(max_steps=2).fit(clean, videos(4))
     assert clean.card.versions["transformer"] == 2 and clean.card.versions["critic"] == 0
 
 
@@ -70,7 +75,7 @@ def test_accumulating_gradients_of_another_expert_are_not_a_leak():
                 self.step_experts(flow_matching_loss(v, x0, noise)[0].mean(), [name])
 
     module = Alternate(c, run=SIZE)
-    quick_trainer(max_steps=3).fit(module, SyntheticVideos(num_samples=6, batch_size=2))
+    quick_trainer(max_steps=3).fit(module, videos(6))
     assert module.card.versions["transformer"] == 3 and module.card.versions["critic"] == 1
 
 
@@ -106,10 +111,10 @@ def test_a_critic_loss_reaching_the_student_is_refused():
     (the student's weights and gradients untouched); detached, the critic trains and the student never steps."""
     module = CriticReadsStudent(card(), detach=False)
     with pytest.raises(GradientLeakError, match=r"meant for \['critic'\] would write gradients into \['transformer'\]"):
-        quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+        quick_trainer(max_steps=1).fit(module, videos(4))
     assert all(p.grad is None for p in module.card["transformer"].parameters())
     clean = CriticReadsStudent(card(), detach=True)
-    quick_trainer(max_steps=2).fit(clean, SyntheticVideos(num_samples=4, batch_size=2))
+    quick_trainer(max_steps=2).fit(clean, videos(4))
     assert clean.card.versions["critic"] == 2 and clean.card.versions["transformer"] == 0
 
 
@@ -141,7 +146,7 @@ def test_a_leak_hidden_from_the_graph_is_caught_after_the_backward():
     module = HiddenLeak(card())
     module.configure_model()
     with pytest.raises(GradientLeakError, match=r"meant for \['transformer'\] wrote gradients into \['critic'\]"):
-        quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=4, batch_size=2))
+        quick_trainer(max_steps=1).fit(module, videos(4))
 
 
 def test_float16_mixed_precision_is_refused_with_the_fix():

@@ -13,9 +13,10 @@ from typing import Optional
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 import posttrain.lit.dmd2 as dmd2_module
+from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.modules import checkpoints
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs

@@ -188,7 +188,7 @@ def test_joint_false_freezes_the_generator_while_refiners_learn():
 def test_resume_is_bitwise_exact(tmp_path):
     """2 iterations, checkpoint, resume to 4 == 4 straight: LM sampling, rollouts and step choice all draw
     from the method's generator, which travels in the checkpoint."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from posttrain.callbacks.checkpoints import ModelCheckpoint
 
     def run(name: str, steps: int, ckpt_path=None):
         m = method(1, credit="per_expert", reward=keyword_reward(1))
@@ -334,7 +334,7 @@ def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concer
 
     logger = WandbLogger(save_dir=str(tmp_path), offline=True)
     try:
-        quick_trainer(3, logger=logger, callbacks=[Batches()]).fit(m, Requests(num_requests=8, batch_size=2))
+        quick_trainer(3, logger=logger, log_every_n_steps=1, callbacks=[Batches()]).fit(m, Requests(num_requests=8, batch_size=2))
     finally:
         logger.experiment.finish()  # one offline run per test
     assert len(tables.logged) == len(seen) == 3

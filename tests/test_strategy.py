@@ -65,6 +65,14 @@ def last(folder: str) -> str:
     return os.path.join(folder, "ckpt", "last.ckpt")
 
 
+def resuming(folder):
+    """The checkpoint callback the runs were written with (Lightning restores its state on resume), saving into
+    ``folder``: a resumed fit leaves the shared runs as written."""
+    from posttrain.callbacks.checkpoints import ModelCheckpoint
+
+    return ModelCheckpoint(dirpath=str(folder), every_n_train_steps=2, save_last=True, save_top_k=0)
+
+
 def assert_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys() and len(a) > 0
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -237,9 +245,13 @@ def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=(), 
             spec["optimizer"] = lambda params: torch.optim.AdamW(params, lr=1e-3)
         experts[name] = Expert(**spec)
     model = Finetune(ModelCard(experts), ema_decay=0.9, run=RunArgs(**h.SIZE))
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = list(callbacks)
     trainer = Trainer(max_steps=max_steps, accelerator="cpu", devices=1, strategy=strategy, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=list(callbacks))
+                      enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                      enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks)
     trainer.fit(model, SyntheticVideos(num_samples=num_samples, batch_size=2, **h.SIZE), ckpt_path=ckpt_path)
     return trainer
 
@@ -291,13 +303,13 @@ def one_process():
     deepspeed.comm.comm.cdb = None
 
 
-def test_resume_with_other_stage_is_refused(runs, one_process):
+def test_resume_with_other_stage_is_refused(runs, one_process, tmp_path):
     with pytest.raises(ValueError, match=r"expert 'transformer': checkpoint has ZeRO stage 3, this run 2"):
-        _fit_in_process(card(2), one_process(), ckpt_path=last(runs["z3"]))
+        _fit_in_process(card(2), one_process(), ckpt_path=last(runs["z3"]), callbacks=[resuming(tmp_path)])
 
 
 @pytest.mark.parametrize("stage", ["z2", "z3"])
-def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage, caplog):
+def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage, caplog, tmp_path):
     """A ZeRO-2/3 checkpoint written by 2 processes at iteration 2 resumes on 1 with no conversion by hand: its shards
     are converted to DeepSpeed's universal checkpoint and resharded; the weights that arrive equal the checkpoint's
     bitwise; training continues to iteration 3; the data position carries over exactly (2 -> 1 always divides), and
@@ -322,8 +334,9 @@ def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage,
 
     logging.getLogger("lightning.pytorch").addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.INFO):
-            trainer = _fit_in_process(card(int(stage[1])), one_process(), ckpt_path=written, callbacks=[Loaded()],
+        with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="The dirpath has changed"):
+            trainer = _fit_in_process(card(int(stage[1])), one_process(), ckpt_path=written,
+                                      callbacks=[Loaded(), resuming(tmp_path)],
                                       max_steps=3, num_samples=16)
     finally:
         logging.getLogger("lightning.pytorch").removeHandler(caplog.handler)
@@ -337,10 +350,11 @@ def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage,
     assert sorted(os.listdir(os.path.dirname(written))) == beside
 
 
-def test_resume_with_other_expert_set_is_refused(runs, one_process):
+def test_resume_with_other_expert_set_is_refused(runs, one_process, tmp_path):
     """The DDP-run card (transformer not sharded) differs from the ZeRO-3 checkpoint's."""
-    with pytest.raises(ValueError, match=r"expert 'transformer' differs: checkpoint .*'sharded': True"):
-        _fit_in_process(card(None), one_process(), ckpt_path=last(runs["z3"]))
+    with pytest.raises(ValueError, match=r"expert 'transformer' differs: checkpoint .*'sharded': True"), \
+            pytest.warns(UserWarning, match=r"no expert has `sharded: true`; every expert runs under plain DDP"):
+        _fit_in_process(card(None), one_process(), ckpt_path=last(runs["z3"]), callbacks=[resuming(tmp_path)])
 
 
 def test_frozen_zero3_expert_bf16_and_offload(one_process):
@@ -515,8 +529,9 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
     model = Finetune(ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
                                 "transformer": transformer}), ema_decay=0.9, run=RunArgs(**h.SIZE))
     trainer = Trainer(max_steps=5, accelerator="cpu", devices=1, strategy=one_process(), logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Loaded()])
-    trainer.fit(model, SyntheticVideos(num_samples=16, batch_size=2, **h.SIZE), ckpt_path=ckpt)
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      num_sanity_val_steps=0, callbacks=[Loaded(), resuming(tmp_path / "resumed")])
+    with pytest.warns(UserWarning, match="The dirpath has changed"):  # the copy resumes into a folder of its own
+        trainer.fit(model, SyntheticVideos(num_samples=16, batch_size=2, **h.SIZE), ckpt_path=ckpt)
     assert_equal(loaded, saved)
     assert trainer.global_step == 5

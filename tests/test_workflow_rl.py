@@ -118,8 +118,8 @@ def test_resume_is_bitwise(tmp_path):
         return checkpoints.load(f"{root}/last.ckpt")
 
     straight = run(tmp_path / "straight", 4)
-    run(tmp_path / "first", 2)
-    resumed = run(tmp_path / "second", 4, ckpt_path=str(tmp_path / "first" / "last.ckpt"))
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 4, ckpt_path=str(tmp_path / "resumed" / "last.ckpt"))
     assert straight["global_step"] == resumed["global_step"] == 4
     for key, value in straight["state_dict"].items():
         assert torch.equal(value, resumed["state_dict"][key]), key
