@@ -334,7 +334,8 @@ def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concer
 
     logger = WandbLogger(save_dir=str(tmp_path), offline=True)
     try:
-        quick_trainer(3, logger=logger, log_every_n_steps=1, callbacks=[Batches()]).fit(m, Requests(num_requests=8, batch_size=2))
+        trainer = quick_trainer(3, logger=logger, log_every_n_steps=1, callbacks=[Batches()])
+        trainer.fit(m, Requests(num_requests=8, batch_size=2))
     finally:
         logger.experiment.finish()  # one offline run per test
     assert len(tables.logged) == len(seen) == 3

@@ -231,6 +231,7 @@ def test_config_parses():
 
 def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=(), max_steps=1, num_samples=4):
     from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from posttrain.datamodules.synthetic import SyntheticVideos
     from posttrain.lit.finetune import Finetune
@@ -245,8 +246,6 @@ def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=(), 
             spec["optimizer"] = lambda params: torch.optim.AdamW(params, lr=1e-3)
         experts[name] = Expert(**spec)
     model = Finetune(ModelCard(experts), ema_decay=0.9, run=RunArgs(**h.SIZE))
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     callbacks = list(callbacks)
     trainer = Trainer(max_steps=max_steps, accelerator="cpu", devices=1, strategy=strategy, logger=False,
                       enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
