@@ -30,6 +30,7 @@ SIZE = {"frames": 5, "height": 32, "width": 32}
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
                     "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "weight_decay": 0.01}}
+CHECKPOINTS = {"every_n_train_steps": 2, "save_last": True, "save_top_k": 0}  # the runs' ModelCheckpoint
 
 
 def expert(zero_stage: Optional[int], **extra) -> dict:
@@ -57,8 +58,7 @@ def config(root: str, zero_stage: Optional[int], max_steps: int = 4, devices: in
             "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
             "limit_val_batches": 0, "num_sanity_val_steps": 0, "default_root_dir": root,
             "callbacks": [{"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",
-                           "init_args": {"dirpath": os.path.join(root, "ckpt"), "every_n_train_steps": 2,
-                                         "save_last": True, "save_top_k": 0}}, *callbacks],
+                           "init_args": {"dirpath": os.path.join(root, "ckpt"), **CHECKPOINTS}}, *callbacks],
         },
         "model": {"class_path": model, "init_args": {"card": {"experts": cards}, "run": SIZE, **model_args}},
         "data": {"class_path": "posttrain.datamodules.synthetic.SyntheticVideos",

@@ -70,7 +70,7 @@ def resuming(folder):
     ``folder``: a resumed fit leaves the shared runs as written."""
     from posttrain.callbacks.checkpoints import ModelCheckpoint
 
-    return ModelCheckpoint(dirpath=str(folder), every_n_train_steps=2, save_last=True, save_top_k=0)
+    return ModelCheckpoint(dirpath=str(folder), **h.CHECKPOINTS)
 
 
 def assert_close(a: dict, b: dict, atol: float) -> None:
