@@ -90,6 +90,8 @@ class DMD2(ExpertModule):
             (samples, validation, ``predict``; Self-Forcing's ``ema_weight``, anchor 0.99); None keeps none.
         real_guidance_scale: the CFG scale of the real score (DMD2's ``real_guidance_scale``); None = the teacher
             sampler's, which still makes the teacher's samples (regression pairs, GAN reals, validation target).
+        real_guidance_rescale: φ of CFG rescale on the real score (the sampler's ``guidance_rescale``, Lin et al.
+            2023, anchor 0.7); None = the teacher sampler's (0 unless it sets one).
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -99,7 +101,8 @@ class DMD2(ExpertModule):
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
                  regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
                  ema_decay: Optional[float] = None,
-                 real_guidance_scale: Optional[float] = None, run: Optional[RunArgs] = None):
+                 real_guidance_scale: Optional[float] = None, real_guidance_rescale: Optional[float] = None,
+                 run: Optional[RunArgs] = None):
         problems = []
         sampler = sampler or FlowMatchSampler(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
@@ -147,6 +150,9 @@ class DMD2(ExpertModule):
         if real_guidance_scale is not None and real_guidance_scale < 1.0:
             problems.append(f"real_guidance_scale={real_guidance_scale} must be >= 1 (1 = the teacher's score "
                             f"unguided; null = the teacher sampler's CFG, {TEACHER_CFG} by default)")
+        if real_guidance_rescale is not None and not 0.0 <= real_guidance_rescale <= 1.0:
+            problems.append(f"real_guidance_rescale={real_guidance_rescale} must be in [0, 1] (CFG rescale's φ: 0 = "
+                            f"plain CFG, Lin et al. use 0.7; null = the teacher sampler's)")
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
@@ -157,7 +163,7 @@ class DMD2(ExpertModule):
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
         self.regression_steps = regression_steps
         self.ema_decay = ema_decay
-        self.real_guidance_scale = real_guidance_scale
+        self.real_guidance_scale, self.real_guidance_rescale = real_guidance_scale, real_guidance_rescale
         # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
         self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -204,7 +210,8 @@ class DMD2(ExpertModule):
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
                     v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond,
-                                                           guidance_scale=self.real_guidance_scale)
+                                                           guidance_scale=self.real_guidance_scale,
+                                                           guidance_rescale=self.real_guidance_rescale)
             critic_model = self.card.models[self.critic]
             frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
             with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
@@ -332,4 +339,6 @@ def student_sampler(sampler: FlowMatchSampler, steps: int) -> FlowMatchSampler:
     """``sampler`` with the student's ``steps``-step list σ = 1, (n-1)/n, …, 1/n (before the flow shift)."""
     return FlowMatchSampler(num_steps=steps, scheduler=sampler.scheduler, guidance_scale=sampler.guidance_scale,
                             noise_level=sampler.noise_level, sde_window=sampler.sde_window,
-                            step_sigmas=[1.0 - i / steps for i in range(steps)], chunk_frames=sampler.chunk_frames)
+                            step_sigmas=[1.0 - i / steps for i in range(steps)], chunk_frames=sampler.chunk_frames,
+                            cache_chunks=sampler.cache_chunks, sink_chunks=sampler.sink_chunks,
+                            guidance_rescale=sampler.guidance_rescale)

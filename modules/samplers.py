@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from posttrain.modules.conditioning import Conditioning
@@ -133,11 +134,15 @@ def renoise_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_ne
     return (1 - _bcast(sigma_next, x0)) * x0 + _bcast(sigma_next, x0) * noise.to(x0.device)
 
 
-def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """Classifier-free guidance: v = v_u + g·(v_c - v_u)."""
+def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float, rescale: float = 0.0
+           ) -> torch.Tensor:
+    """Classifier-free guidance: v = v_u + g·(v_c - v_u); with ``rescale`` φ > 0, each sample's guided v is pulled
+    toward the conditional one's standard deviation (Lin et al. 2023, §3.4: diffusers' ``rescale_noise_cfg``,
+    the pipelines' ``guidance_rescale``)."""
     if v_uncond is None or scale == 1.0:
         return v_cond
-    return v_uncond + scale * (v_cond - v_uncond)
+    v = v_uncond + scale * (v_cond - v_uncond)
+    return rescale_noise_cfg(v, v_cond, guidance_rescale=rescale) if rescale > 0 else v
 
 
 @dataclass
@@ -182,6 +187,9 @@ class FlowMatchSampler:
         guidance_scale: classifier-free guidance; 1 disables the unconditional pass. Every call of this sampler
             (serving, a rollout and its recompute) guides with it: a role that guides otherwise has its own
             sampler (a method's ``rollout_sampler``, ``teacher_sampler``).
+        guidance_rescale: φ of CFG rescale (the diffusers pipelines' ``guidance_rescale``; Lin et al. 2023
+            anchor 0.7): the guided velocity's per-sample std is blended toward the conditional one's, against
+            over-saturated colour at high CFG. 0 = plain CFG.
         noise_level: the SDE's ``a`` (Flow-GRPO anchor 0.7).
         sde_window: ``(start, end)`` step indices that are stochastic in an SDE rollout; None = all.
         step_sigmas: a few-step student's step list, σ of each step before the scheduler's flow shift
@@ -198,7 +206,7 @@ class FlowMatchSampler:
     def __init__(self, num_steps: int = 20, scheduler: Optional[SchedulerMixin] = None, guidance_scale: float = 1.0,
                  noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None,
                  step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None,
-                 cache_chunks: Optional[int] = None, sink_chunks: int = 0):
+                 cache_chunks: Optional[int] = None, sink_chunks: int = 0, guidance_rescale: float = 0.0):
         if num_steps < 1:
             raise ValueError(f"sampler: num_steps={num_steps} must be >= 1 (e.g. 20; a distilled student 4)")
         if step_sigmas is not None:
@@ -223,6 +231,9 @@ class FlowMatchSampler:
                              f"chunks a rolling KV cache keeps besides its window), or 0")
         if sde_window is not None and not (0 <= sde_window[0] < sde_window[1] <= num_steps):
             raise ValueError(f"sampler: sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
+        if not 0.0 <= guidance_rescale <= 1.0:
+            raise ValueError(f"sampler: guidance_rescale={guidance_rescale} must be in [0, 1] (0 = plain CFG; Lin et al. "
+                             f"use 0.7)")
         if noise_level < 0:
             raise ValueError(f"sampler: noise_level={noise_level} must be >= 0 (the SDE's noise scale; 0 is the ODE, "
                              f"Flow-GRPO uses 0.7)")
@@ -236,7 +247,7 @@ class FlowMatchSampler:
                              f"use_flow_sigmas: true and prediction_type: flow_prediction")
         self.num_steps = num_steps
         self.scheduler = scheduler
-        self.guidance_scale = guidance_scale
+        self.guidance_scale, self.guidance_rescale = guidance_scale, guidance_rescale
         self.noise_level = noise_level
         self.sde_window = sde_window
         self.step_sigmas = step_sigmas
@@ -288,16 +299,17 @@ class FlowMatchSampler:
         return Schedule(sigmas=sigmas, timesteps=timesteps, scheduler=scheduler)
 
     def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None,
-                 guidance_scale: Optional[float] = None) -> torch.Tensor:
+                 guidance_scale: Optional[float] = None, guidance_rescale: Optional[float] = None) -> torch.Tensor:
         """Guided float32 velocity; the conditional and unconditional passes share one batched forward.
-        ``guidance_scale``: this call's CFG scale instead of the sampler's."""
+        ``guidance_scale``, ``guidance_rescale``: this call's CFG scale and rescale instead of the sampler's."""
         g = self.guidance_scale if guidance_scale is None else guidance_scale
+        phi = self.guidance_rescale if guidance_rescale is None else guidance_rescale
         t = timestep.expand(x.shape[0]).to(x.device)
         if uncond is None or g == 1.0:
             return model(x, t, cond).float()
         both = model(torch.cat([x, x]), torch.cat([t, t]), _cat(cond, uncond)).float()
         v_cond, v_uncond = both.chunk(2)
-        return guided(v_cond, v_uncond, g)
+        return guided(v_cond, v_uncond, g, phi)
 
     def sde_steps(self) -> torch.Tensor:
         mask = torch.zeros(self.num_steps, dtype=torch.bool)

@@ -246,6 +246,9 @@ def test_student_steps_make_the_step_list(steps, sigmas):
     assert module.sampler.num_steps == steps and module.sampler.step_sigmas == sigmas and module.sampler.renoise
     shifted = [3 * s / (1 + 2 * s) for s in sigmas] + [0.0]
     torch.testing.assert_close(module.sampler.schedule().sigmas, torch.tensor(shifted))
+    rolling = FlowMatchSampler(chunk_frames=1, cache_chunks=2, sink_chunks=1, guidance_rescale=0.5)
+    rolling = DMD2(distill_card(student_arch="wan_t2v_causal"), rolling, student_steps=steps, run=SIZE).sampler
+    assert (rolling.cache_chunks, rolling.sink_chunks, rolling.guidance_rescale) == (2, 1, 0.5)  # the rest is kept
 
 
 def student_inputs(module, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
@@ -463,6 +466,12 @@ def test_real_guidance_scale_guides_the_real_score_only():
             lambda m, args, kwargs, out, g=g: batches[g].append(len(kwargs["hidden_states"])), with_kwargs=True)
         quick_trainer(max_steps=1).fit(module, prompts())
     assert batches[None] == [4] and batches[1.0] == [2]  # batch 2: one step's real score, with and without CFG
+    rescaled = dmd2(ratio=1, real_guidance_rescale=0.7)
+    calls = []
+    rescaled.teacher_sampler.velocity = lambda *a, real=rescaled.teacher_sampler.velocity, **kw: (calls.append(kw),
+                                                                                                  real(*a, **kw))[1]
+    quick_trainer(max_steps=1).fit(rescaled, prompts())
+    assert [c.get("guidance_rescale") for c in calls] == [0.7]  # the real score's; the teacher's samples keep 0
     pairs = [module.teacher_pairs(["a red square moving left on a blue background"], [1])[1]
              for module in modules.values()]
     assert torch.equal(*pairs)  # the teacher's samples: the sampler's CFG in both
@@ -499,6 +508,8 @@ def test_bad_settings_name_the_option():
         dmd2(ema_decay=1.5)
     with pytest.raises(ValueError, match=r"real_guidance_scale=0.5 must be >= 1 \(1 = the teacher's score unguided"):
         dmd2(real_guidance_scale=0.5)
+    with pytest.raises(ValueError, match=r"real_guidance_rescale=2.0 must be in \[0, 1\] \(CFG rescale's"):
+        dmd2(real_guidance_rescale=2.0)
     with pytest.raises(ValueError, match=r"step_sigmas=\[\] is empty"):
         FlowMatchSampler(num_steps=4, step_sigmas=[])
     with pytest.raises(ValueError, match=r"init_from='techer' is not another expert of the card"):

@@ -134,6 +134,22 @@ def test_guidance():
     assert guided(vc, None, 4.5).item() == 2.0
 
 
+def test_guidance_rescale_pulls_the_guided_std_to_the_conditional_one():
+    """CFG rescale (Lin et al. 2023): φ = 1 gives each sample the conditional velocity's std and keeps the guided
+    direction; φ = 0.7 blends; φ = 0 is plain CFG. A sampler out of [0, 1] is refused by name."""
+    g = torch.Generator().manual_seed(0)
+    vc, vu = torch.randn(2, 4, 3, 4, 4, generator=g), torch.randn(2, 4, 3, 4, 4, generator=g)
+    plain, full, part = guided(vc, vu, 3.0), guided(vc, vu, 3.0, 1.0), guided(vc, vu, 3.0, 0.7)
+    per_sample = dict(dim=(1, 2, 3, 4))
+    assert torch.allclose(full.std(**per_sample), vc.std(**per_sample))
+    assert torch.all(plain.std(**per_sample) > 2 * vc.std(**per_sample))
+    assert torch.allclose(torch.nn.functional.normalize(full.flatten(1), dim=1),
+                          torch.nn.functional.normalize(plain.flatten(1), dim=1), atol=1e-6)
+    assert torch.allclose(part, 0.7 * full + 0.3 * plain) and torch.equal(guided(vc, vu, 3.0, 0.0), plain)
+    with pytest.raises(ValueError, match=r"guidance_rescale=1.5 must be in \[0, 1\] \(0 = plain CFG"):
+        FlowMatchSampler(guidance_rescale=1.5)
+
+
 @pytest.fixture(scope="module")
 def wan():
     from posttrain.modules.presets import build_model
