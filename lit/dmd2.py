@@ -81,6 +81,9 @@ class DMD2(ExpertModule):
             chunk's first step, rolled out chunk by chunk through its KV cache (as CausVid's ODE initialisation
             regresses a causal student onto the teacher's ODE).
         regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
+        regression_until: the regression term applies on iterations before this one only, a warm-up (DMD2's
+            one-step SDXL student pre-trains on regression alone, then runs DMD without it; here DMD runs
+            throughout); None = every iteration.
         regression_steps: which of the student's steps regress: ``first`` (DMD's: the first step from the pair's
             noise, as above) or ``every`` (CausVid's ODE regression: a random step k of the list, the same on every
             process, from the pair's sample noised by the pair's noise to σ_k — the input the step serves on when
@@ -100,6 +103,7 @@ class DMD2(ExpertModule):
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
                  regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
+                 regression_until: Optional[int] = None,
                  ema_decay: Optional[float] = None,
                  real_guidance_scale: Optional[float] = None, real_guidance_rescale: Optional[float] = None,
                  run: Optional[RunArgs] = None):
@@ -142,6 +146,9 @@ class DMD2(ExpertModule):
         if regression_weight < 0 or regression_pairs < 1:
             problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
                             f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
+        if regression_until is not None and regression_until < 1:
+            problems.append(f"regression_until={regression_until} must be >= 1 (the iteration the regression stops "
+                            f"at) or null (every iteration)")
         if regression_steps not in ("first", "every"):
             problems.append(f"regression_steps={regression_steps!r} must be 'first' (DMD's) or 'every' (CausVid's ODE "
                             f"regression)")
@@ -161,7 +168,7 @@ class DMD2(ExpertModule):
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
-        self.regression_steps = regression_steps
+        self.regression_steps, self.regression_until = regression_steps, regression_until
         self.ema_decay = ema_decay
         self.real_guidance_scale, self.real_guidance_rescale = real_guidance_scale, real_guidance_rescale
         # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
@@ -222,7 +229,8 @@ class DMD2(ExpertModule):
             per_sample, metrics = dmd_generator_loss(x0, x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
             loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
-            if self.regression_weight > 0:  # regression onto teacher pairs (DMD's first step, or every step: ODE)
+            if self.regression_weight > 0 and (self.regression_until is None or self.global_step < self.regression_until):
+                # regression onto teacher pairs (DMD's first step, or every step: ODE), until its warm-up ends
                 pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
                 noise, target = self.teacher_pairs(prompts, pairs)
                 if self.regression_steps == "first":  # the first step from the pair's noise, as it serves (a

@@ -411,6 +411,21 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     assert with_term < 0.7 * without, (with_term, without)
 
 
+def test_regression_until_ends_the_term_at_its_iteration():
+    """``regression_until: N`` (a regression warm-up, as DMD2's one-step student pre-trains on regression before
+    DMD): the student's loss draws teacher pairs on iterations 0…N-1 only; without it, on every student step."""
+    steps = {}
+    for until in (2, None):
+        module = dmd2(ratio=1, regression_weight=1.0, regression_pairs=1, regression_until=until)
+        steps[until] = []
+        module.teacher_pairs = lambda *a, m=module, real=module.teacher_pairs, key=until: (
+            steps[key].append(m.global_step), real(*a))[1]
+        quick_trainer(max_steps=4).fit(module, prompts())
+    assert steps[2] == [0, 1] and steps[None] == [0, 1, 2, 3], steps
+    with pytest.raises(ValueError, match=r"regression_until=0 must be >= 1"):
+        dmd2(regression_until=0)
+
+
 def chunked_regression_error(weight: float, regression_steps: str, step: Optional[int] = None) -> torch.Tensor:
     """Per chunk (1 latent frame each), the squared error to the teacher's pairs of a block-causal student after 12
     iterations with the regression term at ``weight``: of its first step served chunk by chunk through the KV cache
