@@ -229,8 +229,9 @@ class DMD2(ExpertModule):
             per_sample, metrics = dmd_generator_loss(x0, x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
             loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
-            if self.regression_weight > 0 and (self.regression_until is None or self.global_step < self.regression_until):
-                # regression onto teacher pairs (DMD's first step, or every step: ODE), until its warm-up ends
+            warm = self.regression_until is None or self.global_step < self.regression_until
+            if self.regression_weight > 0 and warm:  # regression onto teacher pairs (DMD's first step, or every
+                # step: ODE), until its warm-up ends
                 pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
                 noise, target = self.teacher_pairs(prompts, pairs)
                 if self.regression_steps == "first":  # the first step from the pair's noise, as it serves (a

@@ -232,8 +232,8 @@ class FlowMatchSampler:
         if sde_window is not None and not (0 <= sde_window[0] < sde_window[1] <= num_steps):
             raise ValueError(f"sampler: sde_window={sde_window} must satisfy 0 <= start < end <= num_steps={num_steps}")
         if not 0.0 <= guidance_rescale <= 1.0:
-            raise ValueError(f"sampler: guidance_rescale={guidance_rescale} must be in [0, 1] (0 = plain CFG; Lin et al. "
-                             f"use 0.7)")
+            raise ValueError(f"sampler: guidance_rescale={guidance_rescale} must be in [0, 1] (0 = plain CFG; Lin "
+                             f"et al. use 0.7)")
         if noise_level < 0:
             raise ValueError(f"sampler: noise_level={noise_level} must be >= 0 (the SDE's noise scale; 0 is the ODE, "
                              f"Flow-GRPO uses 0.7)")
