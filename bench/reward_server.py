@@ -45,11 +45,13 @@ def start_server(reward: str, reward_path: str | None) -> tuple[subprocess.Popen
     if reward_path:
         args += ["--reward.path", reward_path]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    line = process.stdout.readline()
-    if " at http://" not in line:
-        process.kill()
-        raise SystemExit(f"serve-reward did not start: {line}{process.stdout.read()}")
-    return process, line.split(" at ")[1].split()[0]
+    seen = ""  # a dependency may log a line before the URL; the server prints it once it listens
+    for line in process.stdout:
+        if " at http://" in line:
+            return process, line.split(" at ")[1].split()[0]
+        seen += line
+    process.kill()
+    raise SystemExit(f"serve-reward did not start: {seen}")
 
 
 def local_reward(name: str, path: str | None):

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
+from diffusers.guiders.guider_utils import rescale_noise_cfg
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from posttrain.modules.conditioning import Conditioning

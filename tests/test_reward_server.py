@@ -88,11 +88,13 @@ def start_server(*args) -> tuple[subprocess.Popen, str]:
     """``python -m posttrain serve-reward ... --port 0`` and the URL it prints."""
     process = subprocess.Popen([sys.executable, "-m", "posttrain", "serve-reward", *args, "--port", "0"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    line = process.stdout.readline()
-    if " at http://" not in line:
-        process.kill()
-        raise AssertionError(f"serve-reward did not start: {line}{process.stdout.read()}")
-    return process, line.split(" at ")[1].split()[0]
+    seen = ""  # a dependency may log a line before the URL; the server prints it once it listens
+    for line in process.stdout:
+        if " at http://" in line:
+            return process, line.split(" at ")[1].split()[0]
+        seen += line
+    process.kill()
+    raise AssertionError(f"serve-reward did not start: {seen}")
 
 
 def test_a_server_killed_mid_run_is_retried_then_stops_the_run_with_its_checkpoint_intact(tmp_path, caplog):
