@@ -291,6 +291,9 @@ def main() -> None:
                         help="with --students: also time both sides with the VAE's convolutions channels-last (the "
                              "expert option `channels_last: true`), after the eager timing (before compiling, with "
                              "--compile-decode); the evaluation then decodes with it too")
+    parser.add_argument("--held-out-beyond", type=int, default=0, metavar="N",
+                        help="with --students: the held-out captions also avoid the first N synthetic training "
+                        "captions (e.g. 256: a config on 64 scored on the held-out set of configs/dmd2.yaml's 256)")
     parser.add_argument("--time-only", action="store_true", help="with --students: the timings alone, no fit or "
                         "evaluation (the student's weights do not change its time)")
     parser.add_argument("--per-chunk", action="store_true", help="Self-Forcing: scores per window position and past "
@@ -368,9 +371,15 @@ def main() -> None:
 HELD_OUT_SEED = 1000  # the evaluation's noise seeds start here; training draws from the module's own streams
 
 
-def held_out_prompts(cli, n: int) -> list[str]:
-    """``n`` seen-concept captions the training prompts never name (``exclude_captions``): a held-out evaluation."""
+def held_out_prompts(cli, n: int, beyond: int = 0) -> list[str]:
+    """``n`` seen-concept captions the training prompts never name (``exclude_captions``): a held-out evaluation.
+    ``beyond``: nor the first ``beyond`` synthetic training captions (a config training on fewer captions, scored on
+    the held-out set of one training on more: the synthetic captions of a seed are a prefix of a longer draw)."""
     train = cli.datamodule.prompt_list()
+    if beyond:
+        more = copy.copy(cli.datamodule)
+        more.num_synthetic = beyond
+        train += more.prompt_list()
     data = ShapesDataset(n, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE, exclude_captions=sorted(set(train)))
     return [data[i]["prompt"] for i in range(n)]
 
@@ -411,7 +420,7 @@ def students(args, overrides: list[str]) -> None:
                                 "--model.init_args.run.seed", str(seed), *overrides)
                 module = cli.model
                 if teacher is None:  # the same frozen teacher in every fit: its samples once
-                    prompts = held_out_prompts(cli, args.prompts)
+                    prompts = held_out_prompts(cli, args.prompts, args.held_out_beyond)
                     teacher = samples(module, prompts, module.teacher_sampler, "teacher", args.batch, HELD_OUT_SEED)
                     geneval = SyntheticGenEval()
                     geneval.update(teacher[1], prompts)
