@@ -17,6 +17,7 @@ its samples come to the teacher's many-step CFG samples, before and after ``fit`
     python bench/distill.py --steps 100 --prompts 32
     python bench/distill.py --students 2 --compile-decode    # also time with the VAE's decoder compiled
     python bench/distill.py --students 1 2 4 --channels-last --time-only   # the VAE channels-last, timing alone
+    python bench/distill.py --students 2 --held-out-beyond 256   # held-out captions past the first 256 training ones
 """
 from __future__ import annotations
 
