@@ -294,7 +294,7 @@ def main() -> None:
                              "--compile-decode); the evaluation then decodes with it too")
     parser.add_argument("--held-out-beyond", type=int, default=0, metavar="N",
                         help="with --students: the held-out captions also avoid the first N synthetic training "
-                        "captions (e.g. 256: a config on 64 scored on the held-out set of configs/dmd2.yaml's 256)")
+                        "captions (e.g. 256: a config on 64 scored on the held-out set of one on 256)")
     parser.add_argument("--time-only", action="store_true", help="with --students: the timings alone, no fit or "
                         "evaluation (the student's weights do not change its time)")
     parser.add_argument("--per-chunk", action="store_true", help="Self-Forcing: scores per window position and past "

@@ -384,3 +384,21 @@ def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(t
     fixed, broken = sheet(str(png), requests, wrong, right, facts=asked, served=served, what="held-out requests")
     assert (fixed, broken) == ([0, 2], []) and png.stat().st_size > 0
     assert sheet(str(png), requests, right, wrong, facts=asked, served=served) == ([], [0, 2])
+
+
+def test_distill_held_out_beyond_scores_a_smaller_caption_set_on_a_larger_ones_held_out_set():
+    """bench/distill.py --held-out-beyond N: a config on 64 training captions is scored on the held-out captions of
+    one on N = 256 (the synthetic captions of a seed are a prefix of a longer draw), and never on its own."""
+    from types import SimpleNamespace
+
+    import distill
+
+    from posttrain.datamodules.prompts import Prompts
+
+    small, large = Prompts(num_synthetic=64), Prompts(num_synthetic=256)
+    assert large.prompt_list()[:64] == small.prompt_list()
+    beyond = distill.held_out_prompts(SimpleNamespace(datamodule=small), 32, beyond=256)
+    assert beyond == distill.held_out_prompts(SimpleNamespace(datamodule=large), 32)
+    assert not set(beyond) & set(large.prompt_list())
+    own = distill.held_out_prompts(SimpleNamespace(datamodule=small), 32)
+    assert not set(own) & set(small.prompt_list()) and set(own) != set(beyond)
