@@ -311,6 +311,8 @@ def main() -> None:
         args.seeds = args.seeds or [0, 1, 2]
         return self_forcing_bench(args)
     args.seeds = args.seeds or [0]
+    if args.held_out_beyond and not args.students:
+        parser.error("--held-out-beyond scores the --students rows; add --students")
     if args.students:
         return students(args, overrides)
 
@@ -378,6 +380,9 @@ def held_out_prompts(cli, n: int, beyond: int = 0) -> list[str]:
     the held-out set of one training on more: the synthetic captions of a seed are a prefix of a longer draw)."""
     train = cli.datamodule.prompt_list()
     if beyond:
+        if cli.datamodule.path is not None or cli.datamodule.inline is not None:
+            raise SystemExit("--held-out-beyond extends the config's synthetic captions, but its data names a prompt "
+                             "file or list; drop the option or use `num_synthetic`")
         more = copy.copy(cli.datamodule)
         more.num_synthetic = beyond
         train += more.prompt_list()

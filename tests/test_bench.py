@@ -402,3 +402,5 @@ def test_distill_held_out_beyond_scores_a_smaller_caption_set_on_a_larger_ones_h
     assert not set(beyond) & set(large.prompt_list())
     own = distill.held_out_prompts(SimpleNamespace(datamodule=small), 32)
     assert not set(own) & set(small.prompt_list()) and set(own) != set(beyond)
+    with pytest.raises(SystemExit, match="names a prompt file or list"):
+        distill.held_out_prompts(SimpleNamespace(datamodule=Prompts(prompts=["a red circle"])), 4, beyond=256)
