@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
@@ -201,7 +202,9 @@ class ModelCard(nn.Module):
                 raise ValueError(f"expert {name!r}: {err}") from err
         for name, spec in self.specs.items():
             if spec.init_from is not None:
-                copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})")
+                arch = presets.architecture(spec.arch) if spec.arch == self.specs[spec.init_from].arch else None
+                copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})",
+                             blocks=arch.blocks if arch else None, residual_outputs=arch.residual_outputs if arch else ())
         for name, spec in self.specs.items():
             model = built[name]
             tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
@@ -382,8 +385,14 @@ def compile_in_place(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def copy_weights(source: nn.Module, target: nn.Module, what: str) -> None:
+def copy_weights(source: nn.Module, target: nn.Module, what: str, blocks: Optional[str] = None,
+                 residual_outputs: tuple[str, ...] = ()) -> None:
     """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
+
+    Block expansion (LLaMA Pro, Wu et al. 2024): where ``target`` has r times the source's ``blocks`` (the name of
+    their ``ModuleList``), source block i becomes target blocks r·i … r·i + r − 1, the copies after the first with
+    their ``residual_outputs`` zeroed, so each copy is the identity and the deeper target computes exactly the
+    source's function, every new block trainable from there.
 
     A ZeRO-3 partitioned model (built under ``deepspeed.zero.Init``) is gathered for the copy; the target is
     written back from rank 0, where every process computed the same values.
@@ -391,15 +400,34 @@ def copy_weights(source: nn.Module, target: nn.Module, what: str) -> None:
     with _gathered(source), _gathered(target, modifier=True):
         src = {**dict(source.named_parameters()), **dict(source.named_buffers())}
         dst = {**dict(target.named_parameters()), **dict(target.named_buffers())}
-        missing, extra = sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
-        shapes = [k for k in dst if k in src and src[k].shape != dst[k].shape]
+        origin, zeroed = {key: key for key in dst}, set()
+        if blocks is not None:
+            count = lambda keys: len({m[1] for k in keys if (m := re.match(rf"{re.escape(blocks)}\.(\d+)\.", k))})
+            have, want = count(src), count(dst)
+            if have and want > have:
+                if want % have:
+                    raise ValueError(f"{what}: the target has {want} {blocks}, the source {have}; a deeper expert "
+                                     f"takes a multiple of its source's blocks (block expansion), e.g. {2 * have}")
+                copies = want // have
+                for key in dst:
+                    if m := re.match(rf"{re.escape(blocks)}\.(\d+)\.(.*)", key):
+                        index, rest = int(m[1]), m[2]
+                        origin[key] = f"{blocks}.{index // copies}.{rest}"
+                        if index % copies and any(rest.startswith(f"{layer}.") for layer in residual_outputs):
+                            zeroed.add(key)
+        missing = sorted(k for k in dst if origin[k] not in src)
+        extra = sorted(set(src) - set(origin.values()))
+        shapes = [k for k in dst if origin[k] in src and src[origin[k]].shape != dst[k].shape]
         if missing or extra or shapes:
             raise ValueError(f"{what}: the source's weights do not fit: missing {missing[:3]}, unexpected "
                              f"{extra[:3]}, other shapes "
-                             f"{[(k, tuple(src[k].shape), tuple(dst[k].shape)) for k in shapes[:3]]}; give both "
-                             f"experts the same architecture (arch and preset)")
+                             f"{[(k, tuple(src[origin[k]].shape), tuple(dst[k].shape)) for k in shapes[:3]]}; give "
+                             f"both experts the same architecture (arch and preset; a deeper one may take a "
+                             f"multiple of its blocks)")
         for key, tensor in dst.items():
-            tensor.copy_(src[key].to(tensor.dtype))
+            tensor.copy_(src[origin[key]].to(tensor.dtype))
+            if key in zeroed:
+                tensor.zero_()
 
 
 def _gathered(model: nn.Module, modifier: bool = False):

@@ -161,6 +161,33 @@ def test_student_and_critic_start_from_the_teacher():
     assert all(not p.requires_grad for p in module.card["teacher"].parameters())
 
 
+def test_a_deeper_student_starts_as_the_teachers_function_and_its_new_blocks_train():
+    """Block expansion: a student of 8 blocks ``init_from`` the 4-block teacher is block i of the teacher at 2i and
+    2i + 1, the second with its residual outputs zero, so it predicts what the teacher predicts; after 4 iterations
+    those zeroed layers have moved (they get gradients). A depth that is no multiple of the teacher's names the fix."""
+    module = dmd2(distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3),
+                                                  init_from="teacher", preset={"num_layers": 8})))
+    module.configure_model()
+    teacher, student = module.card["teacher"], module.card["transformer"]
+    assert len(student.blocks) == 8
+    torch.manual_seed(1)
+    x, t, text = torch.randn(2, 16, 2, 4, 4), torch.tensor([700.0, 200.0]), torch.randn(2, 5, teacher.config.text_dim)
+    with torch.no_grad():
+        assert torch.equal(student(hidden_states=x, timestep=t, encoder_hidden_states=text).sample,
+                           teacher(hidden_states=x, timestep=t, encoder_hidden_states=text).sample)
+    assert torch.equal(student.blocks[4].attn1.to_q.weight, teacher.blocks[2].attn1.to_q.weight)
+    zeroed = [student.blocks[i].get_submodule(layer).weight for i in (1, 3, 5, 7)
+              for layer in ("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2")]
+    assert all(w.abs().max() == 0 for w in zeroed)
+    quick_trainer(max_steps=4).fit(module, prompts())
+    assert all(w.abs().max() > 0 for w in zeroed)
+
+    card = distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3), init_from="teacher",
+                                           preset={"num_layers": 6}))
+    with pytest.raises(ValueError, match=r"the target has 6 blocks, the source 4; a deeper expert takes a multiple"):
+        card.build()
+
+
 def test_ema_of_the_student_follows_its_steps_and_serves():
     """``ema_decay``: ``transformer_ema`` starts as the student and after each student step (iterations 0 and 3 of
     4, ratio 3) moves to d·ema + (1-d)·student, the student's own weights recorded after that step; the critic's

@@ -54,6 +54,10 @@ class Architecture:
             no ``preset`` overrides.
         causal: a block-causal generator (samples chunk by chunk through a KV cache: ``sampler.chunk_frames``).
         layer_keys: the config keys that count identical blocks (estimate traces 1 and 2 of each kind).
+        blocks: the name of the ``ModuleList`` of identical blocks, and ``residual_outputs`` the Linear layers inside
+            a block whose outputs are its residual branches: with them zeroed a block is the identity, so an
+            expert ``init_from`` a shallower one of the same architecture starts as exactly its function (block
+            expansion, LLaMA Pro: each source block followed by copies of itself whose residual outputs are zero).
         tokenizer_length_key: the config key a tokenizer built for it pads to (``model_max_length``; CLIP's
             position table), None for none.
         inputs: a non-generator's training-forward input shapes, ``(config, TrainingForward) -> {name: shape}``
@@ -67,6 +71,8 @@ class Architecture:
     asset: bool = False
     causal: bool = False
     layer_keys: tuple[str, ...] = ()
+    blocks: Optional[str] = None
+    residual_outputs: tuple[str, ...] = ()
     tokenizer_length_key: Optional[str] = None
     inputs: Optional[Callable[[dict, TrainingForward], dict[str, tuple]]] = field(default=None, repr=False)
 

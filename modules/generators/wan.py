@@ -176,17 +176,19 @@ WAN_T2V = dict(
     qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
 )
 _T2V = WanT2V()  # one adapter for both: the block-causal Wan is driven like Wan T2V
+# a Wan block's three residual branches: self-attention, cross-attention and the feed-forward (block expansion)
+_WAN_BLOCKS = dict(blocks="blocks", residual_outputs=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"))
 ARCHITECTURES = {
     "wan_t2v": Architecture(WanTransformer3DModel, WAN_T2V, "generator", adapter=_T2V, asset=True,
-                            layer_keys=("num_layers",)),
+                            layer_keys=("num_layers",), **_WAN_BLOCKS),
     # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict
     # (``init_from: teacher`` copies the pretrained world's generator into it).
     "wan_t2v_causal": Architecture(CausalWanTransformer3DModel, dict(WAN_T2V), "generator", adapter=_T2V,
-                                   causal=True, layer_keys=("num_layers",)),
+                                   causal=True, layer_keys=("num_layers",), **_WAN_BLOCKS),
     # Wan 2.2-style image-to-video (``WanImageToVideoPipeline`` without an image encoder): noisy latent (16) +
     # first-frame mask (4, the VAE's temporal factor) + image latents (16) channels in. The Wan 2.1 layout adds
     # ``image_dim`` and ``added_kv_proj_dim`` (a CLIP vision encoder's tokens; see ``clip_vision``). The world's I2V
     # generator has the world's T2V dimensions (1.2M parameters; scripts/train_i2v.py starts it from their weights).
     "wan_i2v": Architecture(WanTransformer3DModel, dict(WAN_T2V, in_channels=36), "generator", adapter=WanI2V(),
-                            asset=True, layer_keys=("num_layers",)),
+                            asset=True, layer_keys=("num_layers",), **_WAN_BLOCKS),
 }
