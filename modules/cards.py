@@ -202,9 +202,11 @@ class ModelCard(nn.Module):
                 raise ValueError(f"expert {name!r}: {err}") from err
         for name, spec in self.specs.items():
             if spec.init_from is not None:
-                arch = presets.architecture(spec.arch) if spec.arch == self.specs[spec.init_from].arch else None
+                # block expansion where both architectures lay out their blocks alike (a causal student of a Wan)
+                arch, source = presets.architecture(spec.arch), presets.architecture(self.specs[spec.init_from].arch)
+                alike = (arch.blocks, arch.residual_outputs) == (source.blocks, source.residual_outputs)
                 copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})",
-                             blocks=arch.blocks if arch else None, residual_outputs=arch.residual_outputs if arch else ())
+                             blocks=arch.blocks if alike else None, residual_outputs=arch.residual_outputs)
         for name, spec in self.specs.items():
             model = built[name]
             tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)

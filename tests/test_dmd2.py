@@ -182,6 +182,13 @@ def test_a_deeper_student_starts_as_the_teachers_function_and_its_new_blocks_tra
     quick_trainer(max_steps=4).fit(module, prompts())
     assert all(w.abs().max() > 0 for w in zeroed)
 
+    causal = distill_card(transformer=Expert(arch="wan_t2v_causal", trainable=True, optimizer=adam(1e-3),
+                                             init_from="teacher", preset={"num_layers": 8}))
+    causal.build()  # a block-causal student lays its blocks out as the Wan teacher does
+    assert torch.equal(causal["transformer"].blocks[6].ffn.net[0].proj.weight,
+                       causal["teacher"].blocks[3].ffn.net[0].proj.weight)
+    assert causal["transformer"].blocks[7].ffn.net[2].weight.abs().max() == 0
+
     card = distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3), init_from="teacher",
                                            preset={"num_layers": 6}))
     with pytest.raises(ValueError, match=r"the target has 6 blocks, the source 4; a deeper expert takes a multiple"):

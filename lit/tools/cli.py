@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
 from typing import Optional
 
@@ -230,9 +231,37 @@ def main(args: Optional[list[str]] = None) -> None:
         if debug:
             raise
         text = _yaml_location(err, argv) or condense(str(err)) or type(err).__name__
+        children = _stand_down_child_observer()
         sys.stderr.write(f"posttrain {command}: error: {text}\n"
                          f"(POSTTRAIN_DEBUG=1 shows the traceback)\n")
+        _await(children, timeout=60.0)
         sys.exit(2)
+
+
+def _stand_down_child_observer() -> list:
+    """On the process that launched the others (Lightning's subprocess launcher), the processes it started, and
+    its watcher stopped. The watcher (``_ChildProcessObserver``, a thread polling every 5 s) SIGKILLs this process
+    as soon as a child exits non-zero: the other processes stop with the same error and their own message, and a
+    child exiting first would otherwise kill this one while it writes its message or exits. None elsewhere."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._run = lambda: True  # its next poll ends the thread instead of killing
+            return list(thread._child_processes)
+    return []
+
+
+def _await(children: list, timeout: float) -> None:
+    """Wait for the launched processes to stop (each says its own error); kill one still running after ``timeout``
+    seconds (a child hanging in a collective the failed process left)."""
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def quiet_dependencies() -> None:
