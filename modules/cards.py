@@ -404,15 +404,16 @@ def copy_weights(source: nn.Module, target: nn.Module, what: str, blocks: Option
         dst = {**dict(target.named_parameters()), **dict(target.named_buffers())}
         origin, zeroed = {key: key for key in dst}, set()
         if blocks is not None:
-            count = lambda keys: len({m[1] for k in keys if (m := re.match(rf"{re.escape(blocks)}\.(\d+)\.", k))})
-            have, want = count(src), count(dst)
+            block = re.compile(rf"{re.escape(blocks)}\.(\d+)\.(.*)")  # "blocks.3.attn1.to_q.weight" -> 3, the rest
+            have, want = ({m[1] for k in keys if (m := block.match(k))} for keys in (src, dst))
+            have, want = len(have), len(want)
             if have and want > have:
                 if want % have:
                     raise ValueError(f"{what}: the target has {want} {blocks}, the source {have}; a deeper expert "
                                      f"takes a multiple of its source's blocks (block expansion), e.g. {2 * have}")
                 copies = want // have
                 for key in dst:
-                    if m := re.match(rf"{re.escape(blocks)}\.(\d+)\.(.*)", key):
+                    if m := block.match(key):
                         index, rest = int(m[1]), m[2]
                         origin[key] = f"{blocks}.{index // copies}.{rest}"
                         if index % copies and any(rest.startswith(f"{layer}.") for layer in residual_outputs):

@@ -67,6 +67,25 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     assert done.returncode != 0 and "Traceback" in done.stderr
 
 
+def test_the_error_path_stands_down_lightnings_child_watcher_and_waits_for_the_children():
+    """On the launching process, Lightning's child-process watcher SIGKILLs it once a child exits non-zero (here
+    0.5 s in, polled every 0.1 s); the error path stands the watcher down and waits for the children, so the process
+    lives to exit on its own, with the child's code known. Run in a subprocess: the broken path kills its process."""
+    script = """
+import os, subprocess, sys, time
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from posttrain.lit.tools import cli
+child = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(2)"])
+_ChildProcessObserver(main_pid=os.getpid(), child_processes=[child], sleep_period=0.1).start()
+children = cli._stand_down_child_observer()
+cli._await(children, timeout=30.0)
+time.sleep(1.5)  # past the watcher's next polls
+print("alive", [c.returncode for c in children])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "alive [2]" in done.stdout, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
 def test_condense_keeps_the_key_and_the_message():
     message = ('Parser key "model":\n  Does not validate against any of the Union subtypes\n  Subtypes: [<class '
                "'x'>]\n  Errors:\n    - Problem with given class_path 'posttrain.lit.Finetune':\n        Parser key "

@@ -23,8 +23,10 @@ import difflib
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
+import time
 import warnings
 from typing import Optional
 
@@ -253,9 +255,6 @@ def _stand_down_child_observer() -> list:
 def _await(children: list, timeout: float) -> None:
     """Wait for the launched processes to stop (each says its own error); kill one still running after ``timeout``
     seconds (a child hanging in a collective the failed process left)."""
-    import subprocess
-    import time
-
     deadline = time.monotonic() + timeout
     for child in children:
         try:
