@@ -13,7 +13,9 @@ the package's own sampler, losses and DeepSpeed configuration (``lit.engine.stra
    PPO update on a fraction of the steps (one backward, one optimizer step): seconds of each part;
 3. **causal student** — frames per second of the block-causal student generating the finetune video chunk by
    chunk through its KV cache (4 steps, chunks of 3 latent frames), without and with VAE decoding;
-4. **attention kernels** — which ``scaled_dot_product_attention`` kernels a bf16 forward launches.
+4. **few-step students** — seconds of one finetune-sized video sampled by the teacher (20 steps, CFG 4.5, as
+   ``configs/dmd2.yaml``) and by 1-, 2- and 4-step students, the VAE decode apart: the speed-up and decode's share;
+5. **attention kernels** — which ``scaled_dot_product_attention`` kernels a bf16 forward launches.
 
 MFU = model FLOPs (3 x the forward's, counted by ``torch.utils.flop_counter`` without recompute) / time /
 the device's dense bf16 peak (table below, or ``--peak-tflops``). Gradient checkpointing is on by default
@@ -21,7 +23,8 @@ the device's dense bf16 peak (table below, or ``--peak-tflops``). Gradient check
 
     python bench/gpu.py                 # one GPU, 1.3B shape; ~3-5 min on an H100/H200
     python bench/gpu.py --tiny          # CPU, tiny shape: the same code paths in a minute (tested)
-    python bench/gpu.py --skip offload  # parts to leave out: plain, zero3, offload, rl, causal, attention
+    python bench/gpu.py --skip offload  # parts to leave out: fewstep, plain, zero3, offload, rl, causal, attention
+    python bench/gpu.py --skip plain zero3 offload rl causal attention --fewstep-video 33x480x832  # the README's
 """
 from __future__ import annotations
 
@@ -70,9 +73,9 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800
 def sizes(tiny: bool) -> dict[str, Any]:
     if tiny:
         return dict(config=TINY, frames=9, height=32, width=32, text_len=16, batch=2, rl_frames=9, rl_height=32,
-                    rl_width=32, rl_steps=4, iterations=3, causal_chunk=1)
+                    rl_width=32, rl_steps=4, iterations=3, causal_chunk=1, fewstep_repeats=2, teacher_repeats=2)
     return dict(config=WAN_1_3B, frames=81, height=480, width=832, text_len=512, batch=1, rl_frames=33,
-                rl_height=240, rl_width=416, rl_steps=10, iterations=4, causal_chunk=3)
+                rl_height=240, rl_width=416, rl_steps=10, iterations=4, causal_chunk=3, fewstep_repeats=2, teacher_repeats=1)
 
 
 def vae_dtype(tiny: bool) -> str:
@@ -430,6 +433,69 @@ def causal_generation(s: dict, device: Device) -> dict:
                 fps_with_decode=s["frames"] / median[1], peak_bytes=peak, peak_kind=how)
 
 
+# ---------------------------------------------------------------------- 4. few-step students vs their teacher
+def few_step_sampling(s: dict, device: Device) -> dict:
+    """DMD2's serving claim at the transformer's real shape: one finetune-sized video sampled by the teacher as
+    ``configs/dmd2.yaml`` runs it (20 steps, CFG 4.5: the conditional and unconditional rows in one batched forward
+    a step, as ``FlowMatchSampler`` does) and by students of 1, 2 and 4 steps (the config's re-noised step lists, one
+    forward a step, no CFG), through ``GeneratorStage.sample``; the VAE's decode is timed apart. Speed-up = (teacher's
+    sampling + decode) / (student's sampling + decode); decode share = decode / the student's whole."""
+    device.reset_peak()
+    tiny = s["config"] is TINY
+    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
+    dtype = vae_dtype(tiny)
+    card = ModelCard(experts={
+        "text_encoder": Expert(arch="umt5", preset=text),
+        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
+        "transformer": Expert(arch="wan_t2v", preset=dict(s["config"]), dtype=dtype),
+    }, text_max_length=s["text_len"])
+    with torch.device(device.name):
+        card.build()
+    card.to(device.name)
+    stage = GeneratorStage(card)
+    frames, height, width = s.get("fewstep_video") or (s["frames"], s["height"], s["width"])
+    shape = stage.latent_shape(VideoSize(frames, height, width))
+    prompt = ["a red circle moving left on a blue background"]
+    teacher = FlowMatchSampler(num_steps=20, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    lists = {1: [1.0], 2: [1.0, 0.5], 4: [1.0, 0.75, 0.5, 0.25]}
+    students = {n: FlowMatchSampler(num_steps=n, step_sigmas=lists[n], scheduler=FlowMatchEulerDiscreteScheduler(
+        shift=1.0, stochastic_sampling=True)) for n in lists}
+    g = torch.Generator().manual_seed(0)
+    latents: list[torch.Tensor] = []
+
+    def sampling(sampler: FlowMatchSampler) -> Callable[[], None]:
+        cond, uncond = stage.conditioning(prompt, sampler.guidance_scale, torch.device(device.name))
+
+        def fn():
+            noise = torch.randn((1, *shape), generator=g).to(device.name)
+            with autocast(device):
+                latents[:] = [stage.sample(sampler, noise, cond, uncond, rng=g).latents]
+        return fn
+
+    def median(times: list[float]) -> float:
+        return sorted(times)[len(times) // 2]
+
+    repeats = s["fewstep_repeats"]
+    out: dict[str, Any] = dict(video=f"{frames}x{height}x{width}", latent_shape=list(shape))
+    # the teacher's kernels warmed by a 2-step pass of the same batched-CFG shape: at full size one teacher sample
+    # takes tens of seconds, a warm-up of its own would double that
+    warm = FlowMatchSampler(num_steps=2, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    timed(device, sampling(warm), 0)
+    out["teacher"] = dict(steps=20, guidance_scale=4.5,
+                          seconds=median(timed(device, sampling(teacher), s["teacher_repeats"], warmup=0)))
+    with torch.no_grad():
+        out["decode_seconds"] = median(timed(device, lambda: stage.decode(latents[0]), repeats))
+    teacher_whole = out["teacher"]["seconds"] + out["decode_seconds"]
+    for n, sampler in students.items():
+        seconds = median(timed(device, sampling(sampler), repeats))
+        whole = seconds + out["decode_seconds"]
+        out[f"student_{n}"] = dict(steps=n, seconds=seconds, speedup=teacher_whole / whole,
+                                   speedup_without_decode=out["teacher"]["seconds"] / seconds,
+                                   decode_share=out["decode_seconds"] / whole)
+    out["peak_bytes"], out["peak_kind"] = device.peak_bytes()
+    return out
+
+
 # ---------------------------------------------------------------------- which attention kernel runs
 def attention_kernels(s: dict, device: Device) -> dict:
     """The kernels one bf16 forward of the transformer launches for attention (``torch.profiler``): flash,
@@ -450,20 +516,23 @@ def attention_kernels(s: dict, device: Device) -> dict:
 
 
 # ---------------------------------------------------------------------- main
-def run(tiny: bool, device_name: str, checkpointing: bool, skip: set[str], peak_tflops: Optional[float]) -> dict:
+def run(tiny: bool, device_name: str, checkpointing: bool, skip: set[str], peak_tflops: Optional[float],
+        partial: Optional[str] = None, fewstep_video: Optional[tuple[int, int, int]] = None) -> dict:
     device = Device(device_name)
-    s = sizes(tiny)
+    begun = time.perf_counter()
+    s = dict(sizes(tiny), fewstep_video=fewstep_video)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.cuda else "cpu",
                            "shape": "tiny" if tiny else "Wan2.1-T2V-1.3B", "gradient_checkpointing": checkpointing,
                            "finetune_video": f"{s['frames']}x{s['height']}x{s['width']}", "batch": s["batch"]}
     tflops = device.peak_tflops(peak_tflops)
     parts = {
+        "fewstep": lambda: few_step_sampling(s, device),
         "plain": lambda: finetune_plain(s, device, checkpointing, tflops),
         "zero3": lambda: finetune_zero3(s, device, False, checkpointing, tflops),
-        "offload": lambda: finetune_zero3(s, device, True, checkpointing, tflops),
         "rl": lambda: flow_grpo_step(s, device, checkpointing),
         "causal": lambda: causal_generation(s, device),
         "attention": lambda: attention_kernels(s, device),
+        "offload": lambda: finetune_zero3(s, device, True, checkpointing, tflops),
     }
     for name, fn in parts.items():
         if name in skip:
@@ -474,6 +543,10 @@ def run(tiny: bool, device_name: str, checkpointing: bool, skip: set[str], peak_
             out[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
             traceback.print_exc()
         device.reset_peak()
+        if partial:  # each part's figures kept as it ends: a run stopped at its time limit loses only the rest
+            with open(partial, "w") as f:
+                json.dump(out, f, indent=1)
+        print(f"  [{name} done, {time.perf_counter() - begun:.0f} s]", flush=True)
     return out
 
 
@@ -523,6 +596,19 @@ def report(out: dict) -> str:
             lines.append(f"  causal student, {r['video']} ({r['chunks']} chunks of {r['chunk_frames']} latent frames, "
                          f"{r['steps']} steps, KV cache): {r['seconds']:.3f} s = {r['fps']:.1f} FPS; with VAE "
                          f"decoding {r['seconds_with_decode']:.3f} s = {r['fps_with_decode']:.1f} FPS")
+    r = out.get("fewstep")
+    if r is not None:
+        if "error" in r:
+            lines.append(f"  few-step students: {r['error']}")
+        else:
+            t = r["teacher"]
+            lines.append(f"  few-step sampling, {r['video']}: teacher {t['steps']} steps CFG {t['guidance_scale']} "
+                         f"{t['seconds']:.3f} s + decode {r['decode_seconds']:.3f} s")
+            for n in (1, 2, 4):
+                st = r[f"student_{n}"]
+                lines.append(f"    student {n} step{'s' if n > 1 else ''}: {st['seconds']:.3f} s + decode: "
+                             f"x{st['speedup']:.1f} the teacher's speed (x{st['speedup_without_decode']:.1f} without "
+                             f"decode); decode is {st['decode_share']:.0%} of its time")
     r = out.get("attention")
     if r is not None:
         lines.append(f"  attention kernels: {r.get('error') or ', '.join(r['kernels']) or 'none matched'}")
@@ -534,7 +620,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (or --device)")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["plain", "zero3", "offload", "rl", "causal", "attention"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["fewstep", "plain", "zero3", "offload", "rl", "causal",
+                                                                   "attention"])
+    parser.add_argument("--fewstep-video", default=None, metavar="FxHxW",
+                        help="the few-step part's video (default: the finetune's, 81x480x832 at full size)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     parser.add_argument("--out", default="runs/bench_gpu/gpu.json", help="figures as JSON")
     args = parser.parse_args()
@@ -543,7 +632,16 @@ def main() -> None:
         parser.error("no GPU here: the 1.3B shape needs one; run with --tiny for the CPU check")
     if device == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    out = run(args.tiny, device, not args.no_checkpointing, set(args.skip), args.peak_tflops)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    video = None
+    if args.fewstep_video:
+        try:
+            video = tuple(int(v) for v in args.fewstep_video.lower().split("x"))
+            assert len(video) == 3
+        except (ValueError, AssertionError):
+            parser.error(f"--fewstep-video {args.fewstep_video!r}: give frames x height x width, e.g. 33x480x832")
+    out = run(args.tiny, device, not args.no_checkpointing, set(args.skip), args.peak_tflops, partial=args.out,
+              fewstep_video=video)
     print(report(out))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -28,6 +28,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from posttrain.modules import vae as vae_codec
 from posttrain.modules.generators import ARCHITECTURES as _FAMILIES
 from posttrain.modules.generators.base import BYT5_VOCAB, TEXT_DIM, Architecture, TrainingForward
 
@@ -179,7 +180,10 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             elif loads_weights(arch, pretrained, preset):
                 model = _from_config(spec.cls, _folder_config(arch, pretrained, subfolder))
             else:
-                model = _from_config(spec.cls, {**spec.preset, **(preset or {})}, preset=True)
+                merged = {**spec.preset, **(preset or {})}
+                if spec.cls is AutoencoderKLWan:
+                    merged = vae_codec.wan_preset(merged, dict(preset or {}))
+                model = _from_config(spec.cls, merged, preset=True)
             model = cast(model, dtype)
         if lora is not None:
             add_lora(model, lora)

@@ -52,10 +52,38 @@ def decode(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
 
 
 def scale_factors(vae: torch.nn.Module) -> tuple[int, int]:
-    """(temporal, spatial) compression of a VAE, from its config (as the diffusers pipelines read it)."""
+    """(temporal, spatial) compression of a VAE, from its config (as the diffusers pipelines read it). A Wan VAE's
+    ``scale_factor_*`` are plain config values beside the layers that do the compressing: one that disagrees with
+    its ``dim_mult`` / ``temperal_downsample`` is an error here (latents of the wrong size otherwise)."""
     if isinstance(vae, AutoencoderKLWan):
-        return int(vae.config.scale_factor_temporal), int(vae.config.scale_factor_spatial)
+        config = vae.config
+        built = wan_compression(config)
+        said = int(config.scale_factor_temporal or built[0]), int(config.scale_factor_spatial or built[1])
+        if said != built:
+            raise ValueError(f"the Wan VAE's config says scale_factor_temporal={said[0]}, scale_factor_spatial="
+                             f"{said[1]}, but its layers (dim_mult {list(config.dim_mult)}, temperal_downsample "
+                             f"{list(config.temperal_downsample)}) compress {built[0]}x in time and {built[1]}x in "
+                             f"space: set scale_factor_temporal: {built[0]} and scale_factor_spatial: {built[1]} in "
+                             f"its preset or config.json (or leave them out of a preset: they follow its layers)")
+        return said
     return 1, 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def wan_compression(config) -> tuple[int, int]:
+    """(temporal, spatial) compression that an ``AutoencoderKLWan`` of ``config`` (its config or a preset dict)
+    builds: each level but the last halves height and width, the levels marked in ``temperal_downsample`` time;
+    Wan 2.2's ``patch_size`` folds a further factor into the channels."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    patch = get("patch_size", None) or 1
+    return 2 ** sum(bool(t) for t in get("temperal_downsample")), 2 ** (len(get("dim_mult")) - 1) * patch
+
+
+def wan_preset(config: dict, given: dict) -> dict:
+    """A Wan VAE preset merged over another (``config``), its ``scale_factor_*`` following the merged layers unless
+    ``given`` (the user's part) sets them: a preset of Wan2.1's 8x VAE over the world's 4x one builds an 8x VAE."""
+    temporal, spatial = wan_compression(config)
+    return {**config, "scale_factor_temporal": given.get("scale_factor_temporal", temporal),
+            "scale_factor_spatial": given.get("scale_factor_spatial", spatial)}
 
 
 def latent_shape(vae: torch.nn.Module, frames: int, height: int, width: int, patch: tuple[int, int] = (1, 1)

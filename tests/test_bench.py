@@ -326,7 +326,7 @@ def test_gpu_bench_tiny_runs_every_part(tmp_path):
     out = run_bench("bench/gpu.py", "--tiny", "--out", str(out_file))
     assert "flow_grpo step, K=8" in out
     figures = json.loads(out_file.read_text())
-    for part in ("plain", "zero3", "offload", "rl", "causal", "attention"):
+    for part in ("fewstep", "plain", "zero3", "offload", "rl", "causal", "attention"):
         assert "error" not in figures[part], figures[part]
     assert figures["plain"]["seconds_per_iteration"] > 0 and figures["plain"]["model_tflops_per_iteration"] > 0
     assert figures["plain"]["params"] == pytest.approx(0.2e6, rel=0.5)  # the tiny shape, not 1.3B
@@ -335,6 +335,13 @@ def test_gpu_bench_tiny_runs_every_part(tmp_path):
     causal = figures["causal"]
     assert causal["chunks"] == causal["latent_frames"] > 1 and 0 < causal["fps_with_decode"] < causal["fps"]
     assert figures["attention"]["kernels"], "the profiler saw no attention kernel"
+    few = figures["fewstep"]
+    assert few["latent_shape"] == [16, 3, 4, 4]  # 9x32x32 through the 8x VAE of --tiny
+    for n in (1, 2, 4):  # figures, not timings checked: the speed-ups are the bench's to report
+        student = few[f"student_{n}"]
+        assert student["steps"] == n and student["seconds"] > 0 and 0 < student["decode_share"] < 1
+        assert student["speedup"] == pytest.approx((few["teacher"]["seconds"] + few["decode_seconds"])
+                                                   / (student["seconds"] + few["decode_seconds"]))
 
 
 def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_epoch_end(one_thread):

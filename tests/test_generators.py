@@ -164,6 +164,25 @@ def test_bad_generator_input_is_a_clear_error():
         i2v.generate(PROMPTS, images=torch.zeros(2, 3, 32, 32))
 
 
+def test_a_wan_vae_preset_compresses_as_its_layers_do_and_a_config_that_says_otherwise_is_an_error():
+    """A preset merges over the world's VAE (4x in space): one with Wan2.1's four levels builds an 8x VAE, and the
+    latents it is given are the size its encoder makes (found on a GPU: the 1.3B bench's videos were 4x the tokens
+    it said). A config whose ``scale_factor_spatial`` contradicts its layers is refused, naming the value to set."""
+    from posttrain.modules import presets
+    from posttrain.modules.vae import latent_shape, scale_factors
+
+    wan21 = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
+    vae = presets.build_model("wan_vae", preset=wan21)
+    assert scale_factors(vae) == (4, 8)
+    assert scale_factors(presets.build_model("wan_vae")) == (4, 4)  # the world's own
+    video = torch.zeros(1, 3, 9, 32, 48)
+    assert tuple(vae.encode(video).latent_dist.mean.shape[1:]) == latent_shape(vae, 9, 32, 48) == (16, 3, 4, 6)
+    wrong = presets.build_model("wan_vae", preset=dict(wan21, scale_factor_spatial=4))
+    with pytest.raises(ValueError, match=r"compress 4x in time and 8x in space: set scale_factor_temporal: 4 and "
+                                         r"scale_factor_spatial: 8"):
+        latent_shape(wrong, 9, 32, 48)
+
+
 # torch 2.13's own inductor import (torch/utils/mkldnn.py) calls the deprecated torch.jit.script_method: not ours
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_compiles_what_serving_runs():
