@@ -95,6 +95,10 @@ class DMD2(ExpertModule):
             sampler's, which still makes the teacher's samples (regression pairs, GAN reals, validation target).
         real_guidance_rescale: φ of CFG rescale on the real score (the sampler's ``guidance_rescale``, Lin et al.
             2023, anchor 0.7); None = the teacher sampler's (0 unless it sets one).
+        real_guidance_interval: (low, high): the real score guided only where the comparison's σ lies in
+            [low, high], the teacher's conditional score elsewhere (guidance in a limited interval, Kynkäänniemi
+            et al. 2024: CFG at high noise drifts from the data, at low noise it only saturates; their EDM2 interval
+            is σ_flow ≈ (0.22, 0.84]); None guides at every σ.
         run: size of generated videos, seed, NaN tolerance.
     """
 
@@ -106,6 +110,7 @@ class DMD2(ExpertModule):
                  regression_until: Optional[int] = None,
                  ema_decay: Optional[float] = None,
                  real_guidance_scale: Optional[float] = None, real_guidance_rescale: Optional[float] = None,
+                 real_guidance_interval: Optional[tuple[float, float]] = None,
                  run: Optional[RunArgs] = None):
         problems = []
         sampler = sampler or FlowMatchSampler(
@@ -160,6 +165,9 @@ class DMD2(ExpertModule):
         if real_guidance_rescale is not None and not 0.0 <= real_guidance_rescale <= 1.0:
             problems.append(f"real_guidance_rescale={real_guidance_rescale} must be in [0, 1] (CFG rescale's φ: 0 = "
                             f"plain CFG, Lin et al. use 0.7; null = the teacher sampler's)")
+        if real_guidance_interval is not None and not 0.0 <= real_guidance_interval[0] < real_guidance_interval[1]:
+            problems.append(f"real_guidance_interval={tuple(real_guidance_interval)} must be (low, high) with 0 <= "
+                            f"low < high: the σ where the real score is guided (e.g. [0.22, 0.84]; null = every σ)")
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
@@ -171,6 +179,7 @@ class DMD2(ExpertModule):
         self.regression_steps, self.regression_until = regression_steps, regression_until
         self.ema_decay = ema_decay
         self.real_guidance_scale, self.real_guidance_rescale = real_guidance_scale, real_guidance_rescale
+        self.real_guidance_interval = tuple(real_guidance_interval) if real_guidance_interval is not None else None
         # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
         self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -217,7 +226,7 @@ class DMD2(ExpertModule):
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
                     v_real = self.teacher_sampler.velocity(teacher, x_t.detach(), t, cond, uncond,
-                                                           guidance_scale=self.real_guidance_scale,
+                                                           guidance_scale=self.real_guidance(sigma),
                                                            guidance_rescale=self.real_guidance_rescale)
             critic_model = self.card.models[self.critic]
             frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
@@ -299,6 +308,16 @@ class DMD2(ExpertModule):
                  batch_size=len(prompts))
 
     # ------------------------------------------------------------------ helpers
+    def real_guidance(self, sigma: torch.Tensor) -> Optional[float | torch.Tensor]:
+        """The real score's CFG scale: the option's (None: the teacher sampler's), or, with an interval, per sample:
+        that scale where σ lies in the interval and 1 (unguided) elsewhere."""
+        if self.real_guidance_interval is None:
+            return self.real_guidance_scale
+        scale = self.real_guidance_scale or self.teacher_sampler.guidance_scale
+        low, high = self.real_guidance_interval
+        inside = (sigma >= low) & (sigma <= high)
+        return torch.where(inside, torch.full_like(sigma, scale), torch.ones_like(sigma))
+
     def score_sigmas(self, batch_size: int) -> torch.Tensor:
         """(B,) σ ~ U[sigma_range], flow-shifted: where the scores are compared and the critic trains."""
         low, high = self.sigma_range

@@ -134,15 +134,21 @@ def renoise_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_ne
     return (1 - _bcast(sigma_next, x0)) * x0 + _bcast(sigma_next, x0) * noise.to(x0.device)
 
 
-def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float, rescale: float = 0.0
+def guided(v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale: float | torch.Tensor, rescale: float = 0.0
            ) -> torch.Tensor:
     """Classifier-free guidance: v = v_u + g·(v_c - v_u); with ``rescale`` φ > 0, each sample's guided v is pulled
     toward the conditional one's standard deviation (Lin et al. 2023, §3.4: diffusers' ``rescale_noise_cfg``,
-    the pipelines' ``guidance_rescale``)."""
-    if v_uncond is None or scale == 1.0:
+    the pipelines' ``guidance_rescale``). ``scale``: one for all, or a (B,) tensor, one per sample."""
+    if v_uncond is None or _unguided(scale):
         return v_cond
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(v_cond).reshape(-1, *([1] * (v_cond.ndim - 1)))
     v = v_uncond + scale * (v_cond - v_uncond)
     return rescale_noise_cfg(v, v_cond, guidance_rescale=rescale) if rescale > 0 else v
+
+
+def _unguided(scale: float | torch.Tensor) -> bool:
+    return bool((scale == 1.0).all()) if isinstance(scale, torch.Tensor) else scale == 1.0
 
 
 @dataclass
@@ -299,13 +305,15 @@ class FlowMatchSampler:
         return Schedule(sigmas=sigmas, timesteps=timesteps, scheduler=scheduler)
 
     def velocity(self, model: VelocityFn, x: torch.Tensor, timestep: torch.Tensor, cond, uncond=None,
-                 guidance_scale: Optional[float] = None, guidance_rescale: Optional[float] = None) -> torch.Tensor:
+                 guidance_scale: Optional[float | torch.Tensor] = None, guidance_rescale: Optional[float] = None
+                 ) -> torch.Tensor:
         """Guided float32 velocity; the conditional and unconditional passes share one batched forward.
-        ``guidance_scale``, ``guidance_rescale``: this call's CFG scale and rescale instead of the sampler's."""
+        ``guidance_scale``, ``guidance_rescale``: this call's CFG scale (or (B,) scales, one per sample) and
+        rescale instead of the sampler's."""
         g = self.guidance_scale if guidance_scale is None else guidance_scale
         phi = self.guidance_rescale if guidance_rescale is None else guidance_rescale
         t = timestep.expand(x.shape[0]).to(x.device)
-        if uncond is None or g == 1.0:
+        if uncond is None or _unguided(g):
             return model(x, t, cond).float()
         both = model(torch.cat([x, x]), torch.cat([t, t]), _cat(cond, uncond)).float()
         v_cond, v_uncond = both.chunk(2)

@@ -526,6 +526,34 @@ def test_real_guidance_scale_guides_the_real_score_only():
     assert torch.equal(*pairs)  # the teacher's samples: the sampler's CFG in both
 
 
+def test_real_guidance_interval_guides_the_real_score_only_where_sigma_lies_inside():
+    """``real_guidance_interval``: the real score is guided where the comparison's σ is inside the interval and is
+    the teacher's conditional score elsewhere, sample by sample. An interval that holds every σ of sigma_range
+    guides as no interval does (the cond + uncond batch); one that holds none runs one unguided pass; per sample,
+    the guided velocity is each sample's own CFG at its own scale."""
+    from posttrain.modules.samplers import guided
+
+    batches = {}
+    for interval in (None, (0.0, 1.0), (0.99, 1.0)):
+        module = dmd2(ratio=1, real_guidance_scale=3.0, real_guidance_interval=interval)
+        module.configure_model()
+        batches[interval] = []
+        module.card["teacher"].register_forward_hook(
+            lambda m, args, kwargs, out, key=interval: batches[key].append(len(kwargs["hidden_states"])),
+            with_kwargs=True)
+        quick_trainer(max_steps=1).fit(module, prompts())
+    assert batches[None] == batches[(0.0, 1.0)] == [4] and batches[(0.99, 1.0)] == [2]
+    module = dmd2(real_guidance_scale=3.0, real_guidance_interval=(0.2, 0.8))
+    assert module.real_guidance(torch.tensor([0.1, 0.5, 0.9])).tolist() == [1.0, 3.0, 1.0]
+    assert dmd2(real_guidance_scale=3.0).real_guidance(torch.tensor([0.1, 0.9])) == 3.0  # no interval: one scale
+    v_c, v_u = torch.randn(3, 4, 2, 2, 2), torch.randn(3, 4, 2, 2, 2)
+    per_sample = guided(v_c, v_u, torch.tensor([1.0, 3.0, 1.0]))
+    assert torch.allclose(per_sample[[0, 2]], v_c[[0, 2]]) and torch.allclose(per_sample[1], guided(v_c, v_u, 3.0)[1])
+    with pytest.raises(ValueError, match=r"real_guidance_interval=\(0.8, 0.2\) must be \(low, high\) with 0 <= low < "
+                                         r"high"):
+        dmd2(real_guidance_interval=(0.8, 0.2))
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_settings_name_the_option():
     with pytest.raises(ValueError) as info:
