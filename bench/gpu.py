@@ -21,7 +21,7 @@ MFU = model FLOPs (3 x the forward's, counted by ``torch.utils.flop_counter`` wi
 the device's dense bf16 peak (table below, or ``--peak-tflops``). Gradient checkpointing is on by default
 (as in real recipes: without it, one 81x480x832 sample needs ~130 GiB of activations).
 
-    python bench/gpu.py                 # one GPU, 1.3B shape; ~3-5 min on an H100/H200
+    python bench/gpu.py                 # one GPU, 1.3B shape; ~4-6 min on an H100/H200 (estimated: not yet run whole)
     python bench/gpu.py --tiny          # CPU, tiny shape: the same code paths in a minute (tested)
     python bench/gpu.py --skip offload  # parts to leave out: fewstep, plain, zero3, offload, rl, causal, attention
     python bench/gpu.py --skip plain zero3 offload rl causal attention --fewstep-video 33x480x832  # the README's
@@ -283,9 +283,10 @@ def estimate_bytes(spec: Expert, s: dict) -> tuple[int, int, int]:
                                           "offload_optimizer": spec.zero.offload_optimizer,
                                           "offload_params": spec.zero.offload_params})
     text = {"arch": "umt5", "preset": {"d_model": s["config"]["text_dim"]}}  # what the estimate needs of it
+    vae = {"arch": "wan_vae", "preset": TINY_VAE if s["config"] is TINY else WAN_VAE}  # its latents: the 8x VAE's
     cfg = {"trainer": {"devices": 1},
            "model": {"class_path": "posttrain.lit.finetune.Finetune",
-                     "init_args": {"card": {"experts": {"text_encoder": text, "vae": {"arch": "wan_vae"},
+                     "init_args": {"card": {"experts": {"text_encoder": text, "vae": vae,
                                                         "transformer": expert},
                                             "text_max_length": s["text_len"]},
                                    "run": {"frames": s["frames"], "height": s["height"], "width": s["width"]}}},
