@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from posttrain.lit.dmd2 import student_sampler  # noqa: E402
 from posttrain.modules.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
 from posttrain.modules.conditioning import Conditioning  # noqa: E402
 from posttrain.modules.generators import ADAPTERS, GeneratorStage, VideoSize  # noqa: E402
@@ -122,6 +123,10 @@ class Device:
             return None
         name = torch.cuda.get_device_name()
         return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
 
 
 def timed(device: Device, fn: Callable[[], Any], iterations: int, warmup: int = 1) -> list[float]:
@@ -215,7 +220,7 @@ def finetune_plain(s: dict, device: Device, checkpointing: bool, peak_tflops: Op
     peak, how = device.peak_bytes(model)
     x0, noise, cond, sigma = finetune_batch(s, device, g)
     flops = 3 * forward_flops(model, noised(x0, noise, sigma), timestep_of(sigma), cond, autocast(device))
-    seconds = sorted(times)[len(times) // 2]
+    seconds = median(times)
     result = dict(seconds_per_iteration=seconds, times=times, peak_bytes=peak, peak_kind=how,
                   model_tflops_per_iteration=flops / 1e12,
                   params=sum(p.numel() for p in model.parameters()))
@@ -258,7 +263,7 @@ def finetune_zero3(s: dict, device: Device, offload: bool, checkpointing: bool,
 
     times = timed(device, step, s["iterations"])
     peak, how = device.peak_bytes(model)
-    seconds = sorted(times)[len(times) // 2]
+    seconds = median(times)
     result = dict(seconds_per_iteration=seconds, times=times, peak_bytes=peak, peak_kind=how)
     result["estimate_bytes"], result["estimate_model_state_bytes"], result["estimate_host_bytes"] = \
         estimate_bytes(spec, s)
@@ -361,10 +366,10 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     for values in parts.values():
         del values[0]  # the warm-up iteration
     peak, how = device.peak_bytes(model)
-    median = {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
+    medians = {k: median(v) for k, v in parts.items()}
     result = dict(K=K, sde_steps=s["rl_steps"], trained_steps=math.ceil(0.5 * s["rl_steps"]),
-                  video=f"{s['rl_frames']}x{s['rl_height']}x{s['rl_width']}", seconds=median,
-                  seconds_per_iteration=sum(median.values()), peak_bytes=peak, peak_kind=how,
+                  video=f"{s['rl_frames']}x{s['rl_height']}x{s['rl_width']}", seconds=medians,
+                  seconds_per_iteration=sum(medians.values()), peak_bytes=peak, peak_kind=how,
                   rollout_host_syncs=syncs[-1] if device.cuda else None)
     return result
 
@@ -385,6 +390,24 @@ def host_syncs(device: Device):
     caught[:] = [w for w in caught if "synchroniz" in str(w.message)]
 
 
+# ---------------------------------------------------------------------- serving: 3. and 4.
+def serving_stage(s: dict, device: Device, arch: str) -> GeneratorStage:
+    """A generator stage that serves on ``device``: the ``arch`` transformer at the bench's shape and the VAE, both
+    in the serving dtype, and a one-layer text encoder (conditioning only)."""
+    tiny = s["config"] is TINY
+    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)
+    dtype = vae_dtype(tiny)
+    card = ModelCard(experts={
+        "text_encoder": Expert(arch="umt5", preset=text),
+        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
+        "transformer": Expert(arch=arch, preset=dict(s["config"]), dtype=dtype),
+    }, text_max_length=s["text_len"])
+    with torch.device(device.name):
+        card.build()
+    card.to(device.name)
+    return GeneratorStage(card)
+
+
 # ---------------------------------------------------------------------- 3. the causal student's generation rate
 def causal_generation(s: dict, device: Device) -> dict:
     """Self-Forcing's serving: the block-causal student (``wan_t2v_causal`` at the transformer's shape) generates
@@ -394,18 +417,7 @@ def causal_generation(s: dict, device: Device) -> dict:
     Frames per second = video frames / seconds, without and with decoding (the anchor: 17 FPS for Wan2.1-1.3B
     chunk-wise on one H100, decoding included)."""
     device.reset_peak()
-    tiny = s["config"] is TINY
-    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
-    dtype = vae_dtype(tiny)
-    card = ModelCard(experts={
-        "text_encoder": Expert(arch="umt5", preset=text),
-        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
-        "transformer": Expert(arch="wan_t2v_causal", preset=dict(s["config"]), dtype=dtype),
-    }, text_max_length=s["text_len"])
-    with torch.device(device.name):
-        card.build()
-    card.to(device.name)
-    stage = GeneratorStage(card)
+    stage = serving_stage(s, device, "wan_t2v_causal")
     sampler = FlowMatchSampler(num_steps=4, step_sigmas=[1.0, 0.75, 0.5, 0.25], chunk_frames=s["causal_chunk"],
                                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0, stochastic_sampling=True))
     shape = stage.latent_shape(VideoSize(s["frames"], s["height"], s["width"]))
@@ -423,15 +435,14 @@ def causal_generation(s: dict, device: Device) -> dict:
         with torch.no_grad():
             stage.decode(latents.pop())
 
-    generation = sorted(timed(device, generate, s["iterations"]))
+    generation = median(timed(device, generate, s["iterations"]))
     latents.clear()
-    with_decode = sorted(timed(device, generate_and_decode, s["iterations"]))
+    with_decode = median(timed(device, generate_and_decode, s["iterations"]))
     peak, how = device.peak_bytes()
-    median = generation[len(generation) // 2], with_decode[len(with_decode) // 2]
     return dict(video=f"{s['frames']}x{s['height']}x{s['width']}", latent_frames=shape[1],
                 chunk_frames=s["causal_chunk"], chunks=shape[1] // s["causal_chunk"], steps=4,
-                seconds=median[0], seconds_with_decode=median[1], fps=s["frames"] / median[0],
-                fps_with_decode=s["frames"] / median[1], peak_bytes=peak, peak_kind=how)
+                seconds=generation, seconds_with_decode=with_decode, fps=s["frames"] / generation,
+                fps_with_decode=s["frames"] / with_decode, peak_bytes=peak, peak_kind=how)
 
 
 # ---------------------------------------------------------------------- 4. few-step students vs their teacher
@@ -442,25 +453,15 @@ def few_step_sampling(s: dict, device: Device) -> dict:
     forward a step, no CFG), through ``GeneratorStage.sample``; the VAE's decode is timed apart. Speed-up = (teacher's
     sampling + decode) / (student's sampling + decode); decode share = decode / the student's whole."""
     device.reset_peak()
-    tiny = s["config"] is TINY
-    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
-    dtype = vae_dtype(tiny)
-    card = ModelCard(experts={
-        "text_encoder": Expert(arch="umt5", preset=text),
-        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
-        "transformer": Expert(arch="wan_t2v", preset=dict(s["config"]), dtype=dtype),
-    }, text_max_length=s["text_len"])
-    with torch.device(device.name):
-        card.build()
-    card.to(device.name)
-    stage = GeneratorStage(card)
+    stage = serving_stage(s, device, "wan_t2v")
     frames, height, width = s.get("fewstep_video") or (s["frames"], s["height"], s["width"])
     shape = stage.latent_shape(VideoSize(frames, height, width))
     prompt = ["a red circle moving left on a blue background"]
-    teacher = FlowMatchSampler(num_steps=20, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    lists = {1: [1.0], 2: [1.0, 0.5], 4: [1.0, 0.75, 0.5, 0.25]}
-    students = {n: FlowMatchSampler(num_steps=n, step_sigmas=lists[n], scheduler=FlowMatchEulerDiscreteScheduler(
-        shift=1.0, stochastic_sampling=True)) for n in lists}
+    def teacher(steps: int) -> FlowMatchSampler:  # configs/dmd2.yaml's teacher_sampler at ``steps`` steps
+        return FlowMatchSampler(num_steps=steps, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+    student = FlowMatchSampler(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, stochastic_sampling=True))
+    students = {n: student_sampler(student, n) for n in (1, 2, 4)}  # DMD2's step lists, as the config shifts them
     g = torch.Generator().manual_seed(0)
     latents: list[torch.Tensor] = []
 
@@ -473,17 +474,13 @@ def few_step_sampling(s: dict, device: Device) -> dict:
                 latents[:] = [stage.sample(sampler, noise, cond, uncond, rng=g).latents]
         return fn
 
-    def median(times: list[float]) -> float:
-        return sorted(times)[len(times) // 2]
-
     repeats = s["fewstep_repeats"]
     out: dict[str, Any] = dict(video=f"{frames}x{height}x{width}", latent_shape=list(shape))
     # the teacher's kernels warmed by a 2-step pass of the same batched-CFG shape: at full size one teacher sample
     # takes tens of seconds, a warm-up of its own would double that
-    warm = FlowMatchSampler(num_steps=2, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    timed(device, sampling(warm), 0)
+    timed(device, sampling(teacher(2)), 0)
     out["teacher"] = dict(steps=20, guidance_scale=4.5,
-                          seconds=median(timed(device, sampling(teacher), s["teacher_repeats"], warmup=0)))
+                          seconds=median(timed(device, sampling(teacher(20)), s["teacher_repeats"], warmup=0)))
     with torch.no_grad():
         out["decode_seconds"] = median(timed(device, lambda: stage.decode(latents[0]), repeats))
     teacher_whole = out["teacher"]["seconds"] + out["decode_seconds"]

@@ -70,12 +70,11 @@ def scale_factors(vae: torch.nn.Module) -> tuple[int, int]:
 
 
 def wan_compression(config) -> tuple[int, int]:
-    """(temporal, spatial) compression that an ``AutoencoderKLWan`` of ``config`` (its config or a preset dict)
+    """(temporal, spatial) compression that an ``AutoencoderKLWan`` of ``config`` (its config or a preset)
     builds: each level but the last halves height and width, the levels marked in ``temperal_downsample`` time;
     Wan 2.2's ``patch_size`` folds a further factor into the channels."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    patch = get("patch_size", None) or 1
-    return 2 ** sum(bool(t) for t in get("temperal_downsample")), 2 ** (len(get("dim_mult")) - 1) * patch
+    patch = config.get("patch_size") or 1  # a diffusers config is a dict too (FrozenDict)
+    return 2 ** sum(bool(t) for t in config["temperal_downsample"]), 2 ** (len(config["dim_mult"]) - 1) * patch
 
 
 def wan_preset(config: dict, given: dict) -> dict:
