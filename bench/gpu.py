@@ -79,6 +79,26 @@ def sizes(tiny: bool) -> dict[str, Any]:
                 rl_height=240, rl_width=416, rl_steps=10, iterations=4, causal_chunk=3, fewstep_repeats=2, teacher_repeats=1)
 
 
+def vae_preset(s: dict) -> dict:
+    """The bench's VAE: Wan2.1's (8x spatial, 4x temporal) at full size, a narrow one of the same compression at --tiny."""
+    return TINY_VAE if s["config"] is TINY else WAN_VAE
+
+
+def built_card(s: dict, device: Device, transformer: Expert) -> ModelCard:
+    """A card built on ``device``: ``transformer``, the bench's VAE in its dtype and a one-layer text encoder
+    (conditioning only) — what every part that runs the generator stage needs."""
+    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)
+    card = ModelCard(experts={
+        "text_encoder": Expert(arch="umt5", preset=text),
+        "vae": Expert(arch="wan_vae", preset=vae_preset(s), dtype=vae_dtype(s["config"] is TINY)),
+        "transformer": transformer,
+    }, text_max_length=s["text_len"])
+    with torch.device(device.name):
+        card.build()
+    card.to(device.name)
+    return card
+
+
 def vae_dtype(tiny: bool) -> str:
     """bf16 VAE weights on the GPU; float32 at --tiny (the CPU's bf16 3-D convolutions are far slower than its
     float32 ones: they took the flow_grpo part from seconds to minutes)."""
@@ -288,7 +308,7 @@ def estimate_bytes(spec: Expert, s: dict) -> tuple[int, int, int]:
                                           "offload_optimizer": spec.zero.offload_optimizer,
                                           "offload_params": spec.zero.offload_params})
     text = {"arch": "umt5", "preset": {"d_model": s["config"]["text_dim"]}}  # what the estimate needs of it
-    vae = {"arch": "wan_vae", "preset": TINY_VAE if s["config"] is TINY else WAN_VAE}  # its latents: the 8x VAE's
+    vae = {"arch": "wan_vae", "preset": vae_preset(s)}  # its latents: the 8x VAE's
     cfg = {"trainer": {"devices": 1},
            "model": {"class_path": "posttrain.lit.finetune.Finetune",
                      "init_args": {"card": {"experts": {"text_encoder": text, "vae": vae,
@@ -311,18 +331,9 @@ def flow_grpo_step(s: dict, device: Device, checkpointing: bool, K: int = 8, dec
     batched forward per step, log p captured), VAE decoding, PPO-clip update on half the SDE steps (each
     step's loss backed up before the next, one optimizer step)."""
     device.reset_peak()
-    tiny = s["config"] is TINY
-    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)  # conditioning only
-    card = ModelCard(experts={
-        "text_encoder": Expert(arch="umt5", preset=text),
-        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=vae_dtype(tiny)),
-        "transformer": Expert(arch="wan_t2v", preset=dict(s["config"]), trainable=True, grad_clip=1.0,
-                              optimizer=functools.partial(torch.optim.AdamW, lr=1e-5, weight_decay=0.0),
-                              gradient_checkpointing=checkpointing),
-    }, text_max_length=s["text_len"])
-    with torch.device(device.name):
-        card.build()
-    card.to(device.name)
+    card = built_card(s, device, Expert(
+        arch="wan_t2v", preset=dict(s["config"]), trainable=True, grad_clip=1.0,
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-5, weight_decay=0.0), gradient_checkpointing=checkpointing))
     stage = GeneratorStage(card)
     model = card["transformer"]
     optimizer = torch.optim.AdamW(card.parameters_of("transformer"), lr=1e-5, weight_decay=0.0,
@@ -392,20 +403,10 @@ def host_syncs(device: Device):
 
 # ---------------------------------------------------------------------- serving: 3. and 4.
 def serving_stage(s: dict, device: Device, arch: str) -> GeneratorStage:
-    """A generator stage that serves on ``device``: the ``arch`` transformer at the bench's shape and the VAE, both
-    in the serving dtype, and a one-layer text encoder (conditioning only)."""
-    tiny = s["config"] is TINY
-    text = dict(d_model=s["config"]["text_dim"], d_kv=32, d_ff=256, num_layers=1, num_heads=2)
-    dtype = vae_dtype(tiny)
-    card = ModelCard(experts={
-        "text_encoder": Expert(arch="umt5", preset=text),
-        "vae": Expert(arch="wan_vae", preset=TINY_VAE if tiny else WAN_VAE, dtype=dtype),
-        "transformer": Expert(arch=arch, preset=dict(s["config"]), dtype=dtype),
-    }, text_max_length=s["text_len"])
-    with torch.device(device.name):
-        card.build()
-    card.to(device.name)
-    return GeneratorStage(card)
+    """A generator stage that serves on ``device``: the ``arch`` transformer at the bench's shape, in the VAE's
+    serving dtype."""
+    return GeneratorStage(built_card(s, device, Expert(arch=arch, preset=dict(s["config"]),
+                                                       dtype=vae_dtype(s["config"] is TINY))))
 
 
 # ---------------------------------------------------------------------- 3. the causal student's generation rate
@@ -457,6 +458,7 @@ def few_step_sampling(s: dict, device: Device) -> dict:
     frames, height, width = s.get("fewstep_video") or (s["frames"], s["height"], s["width"])
     shape = stage.latent_shape(VideoSize(frames, height, width))
     prompt = ["a red circle moving left on a blue background"]
+
     def teacher(steps: int) -> FlowMatchSampler:  # configs/dmd2.yaml's teacher_sampler at ``steps`` steps
         return FlowMatchSampler(num_steps=steps, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
 
