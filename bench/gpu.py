@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import contextlib
 import functools
 import gc
 import json
@@ -45,7 +44,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from posttrain.lit.dmd2 import student_sampler  # noqa: E402
 from posttrain.modules.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
@@ -447,11 +447,29 @@ def causal_generation(s: dict, device: Device) -> dict:
 
 
 # ---------------------------------------------------------------------- 4. few-step students vs their teacher
+DMD2_CONFIG = os.path.join(ROOT, "configs", "dmd2.yaml")
+
+
+def dmd2_samplers(config: str = DMD2_CONFIG) -> tuple[FlowMatchSampler, FlowMatchSampler]:
+    """(the student's sampler, the teacher's) as ``config`` writes them, built by jsonargparse alone: the bench
+    times what the config serves, and follows it when it changes."""
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    with open(config) as f:
+        init = yaml.safe_load(f)["model"]["init_args"]
+    parser = ArgumentParser(exit_on_error=False)
+    for key in ("sampler", "teacher_sampler"):
+        parser.add_subclass_arguments(FlowMatchSampler, key)
+    built = parser.instantiate(parser.parse_object({key: init[key] for key in ("sampler", "teacher_sampler")}))
+    return built.sampler, built.teacher_sampler
+
+
 def few_step_sampling(s: dict, device: Device) -> dict:
     """DMD2's serving claim at the transformer's real shape: one finetune-sized video sampled by the teacher as
-    ``configs/dmd2.yaml`` runs it (20 steps, CFG 4.5: the conditional and unconditional rows in one batched forward
-    a step, as ``FlowMatchSampler`` does) and by students of 1, 2 and 4 steps (the config's re-noised step lists, one
-    forward a step, no CFG), through ``GeneratorStage.sample``; the VAE's decode is timed apart. Speed-up = (teacher's
+    ``configs/dmd2.yaml``'s ``teacher_sampler`` runs it (many steps with CFG: the conditional and unconditional rows
+    in one batched forward a step, as ``FlowMatchSampler`` does) and by students of 1, 2 and 4 steps (the config's
+    re-noised step lists, one forward a step, no CFG), through ``GeneratorStage.sample``; the VAE's decode is timed apart. Speed-up = (teacher's
     sampling + decode) / (student's sampling + decode); decode share = decode / the student's whole."""
     device.reset_peak()
     stage = serving_stage(s, device, "wan_t2v")
@@ -459,10 +477,12 @@ def few_step_sampling(s: dict, device: Device) -> dict:
     shape = stage.latent_shape(VideoSize(frames, height, width))
     prompt = ["a red circle moving left on a blue background"]
 
-    def teacher(steps: int) -> FlowMatchSampler:  # configs/dmd2.yaml's teacher_sampler at ``steps`` steps
-        return FlowMatchSampler(num_steps=steps, guidance_scale=4.5, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    student, teacher_sampler = dmd2_samplers()
 
-    student = FlowMatchSampler(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, stochastic_sampling=True))
+    def teacher(steps: int) -> FlowMatchSampler:  # the config's teacher sampler at ``steps`` steps
+        return FlowMatchSampler(num_steps=steps, guidance_scale=teacher_sampler.guidance_scale,
+                                scheduler=teacher_sampler.scheduler)
+
     students = {n: student_sampler(student, n) for n in (1, 2, 4)}  # DMD2's step lists, as the config shifts them
     g = torch.Generator().manual_seed(0)
     latents: list[torch.Tensor] = []
@@ -481,8 +501,9 @@ def few_step_sampling(s: dict, device: Device) -> dict:
     # the teacher's kernels warmed by a 2-step pass of the same batched-CFG shape: at full size one teacher sample
     # takes tens of seconds, a warm-up of its own would double that
     timed(device, sampling(teacher(2)), 0)
-    out["teacher"] = dict(steps=20, guidance_scale=4.5,
-                          seconds=median(timed(device, sampling(teacher(20)), s["teacher_repeats"], warmup=0)))
+    steps = teacher_sampler.num_steps
+    out["teacher"] = dict(steps=steps, guidance_scale=teacher_sampler.guidance_scale,
+                          seconds=median(timed(device, sampling(teacher(steps)), s["teacher_repeats"], warmup=0)))
     with torch.no_grad():
         out["decode_seconds"] = median(timed(device, lambda: stage.decode(latents[0]), repeats))
     teacher_whole = out["teacher"]["seconds"] + out["decode_seconds"]
