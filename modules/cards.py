@@ -205,8 +205,11 @@ class ModelCard(nn.Module):
                 # block expansion where both architectures lay out their blocks alike (a causal student of a Wan)
                 arch, source = presets.architecture(spec.arch), presets.architecture(self.specs[spec.init_from].arch)
                 alike = (arch.blocks, arch.residual_outputs) == (source.blocks, source.residual_outputs)
-                copy_weights(built[spec.init_from], built[name], f"expert {name!r} (init_from={spec.init_from!r})",
-                             blocks=arch.blocks if alike else None, residual_outputs=arch.residual_outputs)
+                hidden, differ = widening(arch, built[spec.init_from], built[name]) if alike else (None, [])
+                what = f"expert {name!r} (init_from={spec.init_from!r}" + (
+                    f"; they differ in {', '.join(differ)}, which widening keeps" if differ else "") + ")"
+                copy_weights(built[spec.init_from], built[name], what, blocks=arch.blocks if alike else None,
+                             residual_outputs=arch.residual_outputs, widen=hidden)
         for name, spec in self.specs.items():
             model = built[name]
             tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
@@ -386,15 +389,59 @@ def compile_in_place(model: nn.Module) -> None:
         part.compile()
 
 
+def widening(arch: presets.Architecture, source: nn.Module, target: nn.Module) -> tuple[Optional[int], list[str]]:
+    """(the source's hidden size, []) where ``target`` may be a widened ``source``: both configs agree on every key
+    but the architecture's ``widths`` and ``layer_keys``; (None, the keys they differ in) where they do not, and
+    (None, []) for an architecture that names no width."""
+    if not arch.widths or arch.hidden_size is None:
+        return None, []
+    configs = [dict(m.config) if isinstance(m.config, dict) else m.config.to_dict() for m in (source, target)]
+    free = set(arch.widths) | set(arch.layer_keys)
+    shared = (set(configs[0]) & set(configs[1])) - free
+    def plain(value: Any) -> Any:  # a config read from JSON holds lists where a preset wrote tuples
+        return list(value) if isinstance(value, tuple) else value
+
+    differ = sorted(f"{key} ({configs[0][key]} vs {configs[1][key]})" for key in shared
+                    if not key.startswith("_") and plain(configs[0][key]) != plain(configs[1][key]))
+    return (None, differ) if differ else (int(arch.hidden_size(configs[0])), [])
+
+
+def _widened(tensor: torch.Tensor, shape: torch.Size, hidden: int, inputs: tuple[int, ...],
+             generator: torch.Generator) -> torch.Tensor:
+    """``tensor`` widened to ``shape`` (each dim the same or an integer multiple r): along a dim, every run of
+    ``hidden`` entries (the whole dim where it is no multiple of ``hidden``) is repeated r times in place, so a
+    (6·d) projection whose consumer splits it into 6 chunks of d keeps that layout. Along the ``inputs`` dims (the
+    input features of a Linear or convolution) the r copies of each weight share it at random, summing to it: the
+    layer sees each source feature r times and computes what it did, and the copies of a unit, fed by different
+    shares, get different gradients (Net2Net's random split: no two copies stay equal)."""
+    for dim, (n, m) in enumerate(zip(tensor.shape, shape)):
+        if n == m:
+            continue
+        r, chunk = m // n, hidden if n % hidden == 0 else n
+        moved = tensor.movedim(dim, 0)
+        rest = moved.shape[1:]
+        tiled = moved.reshape(n // chunk, 1, chunk, *rest).expand(n // chunk, r, chunk, *rest)
+        if dim in inputs:
+            share = 1.0 + 0.5 * (2 * torch.rand(tiled.shape, generator=generator, dtype=torch.float64) - 1)
+            tiled = (tiled.double() * share / share.sum(1, keepdim=True)).to(tensor.dtype)
+        tensor = tiled.reshape(m, *rest).movedim(0, dim)
+    return tensor
+
+
 @torch.no_grad()
 def copy_weights(source: nn.Module, target: nn.Module, what: str, blocks: Optional[str] = None,
-                 residual_outputs: tuple[str, ...] = ()) -> None:
+                 residual_outputs: tuple[str, ...] = (), widen: Optional[int] = None) -> None:
     """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
 
     Block expansion (LLaMA Pro, Wu et al. 2024): where ``target`` has r times the source's ``blocks`` (the name of
     their ``ModuleList``), source block i becomes target blocks r·i … r·i + r − 1, the copies after the first with
     their ``residual_outputs`` zeroed, so each copy is the identity and the deeper target computes exactly the
     source's function, every new block trainable from there.
+
+    Widening (Net2Net, Chen et al. 2016), where ``widen`` is the source's hidden size: a tensor whose dims are
+    integer multiples of the source's is the source's with every unit repeated and each Linear's or convolution's
+    input weights split at random among the copies (``_widened``): the wider target computes the source's function
+    (to rounding) with its copies free to part. Only for experts that differ in width alone (``widening``).
 
     A ZeRO-3 partitioned model (built under ``deepspeed.zero.Init``) is gathered for the copy; the target is
     written back from rank 0, where every process computed the same values.
@@ -420,15 +467,26 @@ def copy_weights(source: nn.Module, target: nn.Module, what: str, blocks: Option
                             zeroed.add(key)
         missing = sorted(k for k in dst if origin[k] not in src)
         extra = sorted(set(src) - set(origin.values()))
-        shapes = [k for k in dst if origin[k] in src and src[origin[k]].shape != dst[k].shape]
+
+        def widens(key: str) -> bool:
+            have, want = src[origin[key]].shape, dst[key].shape
+            return widen is not None and len(have) == len(want) and all(w % h == 0 for h, w in zip(have, want))
+
+        shapes = [k for k in dst if origin[k] in src and src[origin[k]].shape != dst[k].shape and not widens(k)]
         if missing or extra or shapes:
             raise ValueError(f"{what}: the source's weights do not fit: missing {missing[:3]}, unexpected "
                              f"{extra[:3]}, other shapes "
                              f"{[(k, tuple(src[origin[k]].shape), tuple(dst[k].shape)) for k in shapes[:3]]}; give "
                              f"both experts the same architecture (arch and preset; a deeper one may take a "
-                             f"multiple of its blocks)")
+                             f"multiple of its blocks, a wider one multiples of its width)")
+        inputs = {f"{name}.weight" for name, module in target.named_modules()
+                  if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))}
+        generator = torch.Generator().manual_seed(0)  # the same widened weights on every process and every build
         for key, tensor in dst.items():
-            tensor.copy_(src[origin[key]].to(tensor.dtype))
+            value = src[origin[key]]
+            if value.shape != tensor.shape:
+                value = _widened(value, tensor.shape, widen, (1,) if key in inputs else (), generator)
+            tensor.copy_(value.to(tensor.dtype))
             if key in zeroed:
                 tensor.zero_()
 

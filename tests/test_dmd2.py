@@ -195,6 +195,47 @@ def test_a_deeper_student_starts_as_the_teachers_function_and_its_new_blocks_tra
         card.build()
 
 
+def test_a_wider_student_starts_as_the_teachers_function_and_its_copies_part():
+    """Widening: a student with twice the teacher's heads (of the same size) and feed-forward width ``init_from``
+    the teacher predicts what the teacher predicts (to float rounding), each hidden unit there twice; the copies'
+    shared input weights are split at random, so their gradients differ and 4 iterations part copies that started
+    equal (a bias). A width that is no multiple of the teacher's, or a wider head, names the fix."""
+    wide = {"num_attention_heads": 8, "ffn_dim": 1024}
+    module = dmd2(distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3),
+                                                  init_from="teacher", preset=wide)))
+    module.configure_model()
+    teacher, student = module.card["teacher"], module.card["transformer"]
+    assert student.config.num_attention_heads * student.config.attention_head_dim == 256
+    torch.manual_seed(1)
+    x, t, text = torch.randn(2, 16, 2, 4, 4), torch.tensor([700.0, 200.0]), torch.randn(2, 5, teacher.config.text_dim)
+    with torch.no_grad():
+        expected = teacher(hidden_states=x, timestep=t, encoder_hidden_states=text).sample
+    predicted = student(hidden_states=x, timestep=t, encoder_hidden_states=text).sample
+    torch.testing.assert_close(predicted, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+    predicted.square().mean().backward()
+    grad = student.blocks[0].ffn.net[0].proj.bias.grad.view(4, 2, 128)  # 4 chunks of 128 units, each there twice
+    assert (grad[:, 0] - grad[:, 1]).abs().max() > 0.01 * grad.abs().max()
+    student.zero_grad()
+    bias = student.patch_embedding.bias
+    assert torch.equal(bias[:128], bias[128:]) and torch.equal(bias[:128], teacher.patch_embedding.bias)
+    quick_trainer(max_steps=4).fit(module, prompts())
+    assert (bias[:128] - bias[128:]).abs().max() > 0
+
+    deep_and_wide = distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3),
+                                                    init_from="teacher", preset={"num_layers": 8, **wide}))
+    deep_and_wide.build()  # block expansion and widening compose
+    with torch.no_grad():
+        torch.testing.assert_close(deep_and_wide["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=text)
+                                   .sample, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+
+    for preset, fix in (({"num_attention_heads": 6}, "a wider one multiples of its width"),
+                        ({"attention_head_dim": 64}, r"they differ in attention_head_dim \(32 vs 64\), which widening")):
+        card = distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3),
+                                               init_from="teacher", preset=preset))
+        with pytest.raises(ValueError, match=fix):
+            card.build()
+
+
 def test_ema_of_the_student_follows_its_steps_and_serves():
     """``ema_decay``: ``transformer_ema`` starts as the student and after each student step (iterations 0 and 3 of
     4, ratio 3) moves to d·ema + (1-d)·student, the student's own weights recorded after that step; the critic's

@@ -58,6 +58,10 @@ class Architecture:
             a block whose outputs are its residual branches: with them zeroed a block is the identity, so an
             expert ``init_from`` a shallower one of the same architecture starts as exactly its function (block
             expansion, LLaMA Pro: each source block followed by copies of itself whose residual outputs are zero).
+        widths: the config keys that set its width (Wan: the head count and ``ffn_dim``), and ``hidden_size`` its
+            residual stream's width from a config: an expert ``init_from`` one of the same architecture that differs
+            from it only in these (and ``layer_keys``), by integer multiples, starts as exactly its function
+            (widening: every unit copied, each copy's outgoing weights a random share of the source's).
         tokenizer_length_key: the config key a tokenizer built for it pads to (``model_max_length``; CLIP's
             position table), None for none.
         inputs: a non-generator's training-forward input shapes, ``(config, TrainingForward) -> {name: shape}``
@@ -73,6 +77,8 @@ class Architecture:
     layer_keys: tuple[str, ...] = ()
     blocks: Optional[str] = None
     residual_outputs: tuple[str, ...] = ()
+    widths: tuple[str, ...] = ()
+    hidden_size: Optional[Callable[[Any], int]] = field(default=None, repr=False)
     tokenizer_length_key: Optional[str] = None
     inputs: Optional[Callable[[dict, TrainingForward], dict[str, tuple]]] = field(default=None, repr=False)
 

@@ -176,8 +176,11 @@ WAN_T2V = dict(
     qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
 )
 _T2V = WanT2V()  # one adapter for both: the block-causal Wan is driven like Wan T2V
-# a Wan block's three residual branches: self-attention, cross-attention and the feed-forward (block expansion)
-_WAN_BLOCKS = dict(blocks="blocks", residual_outputs=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"))
+# a Wan block's three residual branches: self-attention, cross-attention and the feed-forward (block expansion);
+# its width: more heads of the same head size, a wider feed-forward (widening)
+_WAN_BLOCKS = dict(blocks="blocks", residual_outputs=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"),
+                   widths=("num_attention_heads", "ffn_dim"),
+                   hidden_size=lambda config: config["num_attention_heads"] * config["attention_head_dim"])
 ARCHITECTURES = {
     "wan_t2v": Architecture(WanTransformer3DModel, WAN_T2V, "generator", adapter=_T2V, asset=True,
                             layer_keys=("num_layers",), **_WAN_BLOCKS),
