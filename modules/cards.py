@@ -398,6 +398,7 @@ def widening(arch: presets.Architecture, source: nn.Module, target: nn.Module) -
     configs = [dict(m.config) if isinstance(m.config, dict) else m.config.to_dict() for m in (source, target)]
     free = set(arch.widths) | set(arch.layer_keys)
     shared = (set(configs[0]) & set(configs[1])) - free
+
     def plain(value: Any) -> Any:  # a config read from JSON holds lists where a preset wrote tuples
         return list(value) if isinstance(value, tuple) else value
 
@@ -411,9 +412,10 @@ def _widened(tensor: torch.Tensor, shape: torch.Size, hidden: int, inputs: tuple
     """``tensor`` widened to ``shape`` (each dim the same or an integer multiple r): along a dim, every run of
     ``hidden`` entries (the whole dim where it is no multiple of ``hidden``) is repeated r times in place, so a
     (6·d) projection whose consumer splits it into 6 chunks of d keeps that layout. Along the ``inputs`` dims (the
-    input features of a Linear or convolution) the r copies of each weight share it at random, summing to it: the
-    layer sees each source feature r times and computes what it did, and the copies of a unit, fed by different
-    shares, get different gradients (Net2Net's random split: no two copies stay equal)."""
+    input features of a Linear or convolution) the r copies of each weight share it at random (shares drawn in
+    [0.5, 1.5] and normalised), summing to it: the layer sees each source feature r times and computes what it did,
+    and the copies of a unit, fed by different shares, get different gradients (Net2Net's random split: no two
+    copies stay equal)."""
     for dim, (n, m) in enumerate(zip(tensor.shape, shape)):
         if n == m:
             continue
@@ -480,7 +482,7 @@ def copy_weights(source: nn.Module, target: nn.Module, what: str, blocks: Option
                              f"both experts the same architecture (arch and preset; a deeper one may take a "
                              f"multiple of its blocks, a wider one multiples of its width)")
         inputs = {f"{name}.weight" for name, module in target.named_modules()
-                  if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))}
+                  if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))}
         generator = torch.Generator().manual_seed(0)  # the same widened weights on every process and every build
         for key, tensor in dst.items():
             value = src[origin[key]]
