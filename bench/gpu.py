@@ -469,8 +469,9 @@ def few_step_sampling(s: dict, device: Device) -> dict:
     """DMD2's serving claim at the transformer's real shape: one finetune-sized video sampled by the teacher as
     ``configs/dmd2.yaml``'s ``teacher_sampler`` runs it (many steps with CFG: the conditional and unconditional rows
     in one batched forward a step, as ``FlowMatchSampler`` does) and by students of 1, 2 and 4 steps (the config's
-    re-noised step lists, one forward a step, no CFG), through ``GeneratorStage.sample``; the VAE's decode is timed apart. Speed-up = (teacher's
-    sampling + decode) / (student's sampling + decode); decode share = decode / the student's whole."""
+    re-noised step lists, one forward a step, no CFG), through ``GeneratorStage.sample``; the VAE's decode is timed
+    apart. Speed-up = (teacher's sampling + decode) / (student's sampling + decode); decode share = decode / the
+    student's whole."""
     device.reset_peak()
     stage = serving_stage(s, device, "wan_t2v")
     frames, height, width = s.get("fewstep_video") or (s["frames"], s["height"], s["width"])

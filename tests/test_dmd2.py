@@ -229,7 +229,7 @@ def test_a_wider_student_starts_as_the_teachers_function_and_its_copies_part():
                                    .sample, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
     for preset, fix in (({"num_attention_heads": 6}, "a wider one multiples of its width"),
-                        ({"attention_head_dim": 64}, r"they differ in attention_head_dim \(32 vs 64\), which widening")):
+                        ({"attention_head_dim": 64}, r"differ in attention_head_dim \(32 vs 64\), which widening")):
         card = distill_card(transformer=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3),
                                                init_from="teacher", preset=preset))
         with pytest.raises(ValueError, match=fix):
