@@ -395,7 +395,7 @@ def widening(arch: presets.Architecture, source: nn.Module, target: nn.Module) -
     (None, []) for an architecture that names no width."""
     if not arch.widths or arch.hidden_size is None:
         return None, []
-    configs = [dict(m.config) if isinstance(m.config, dict) else m.config.to_dict() for m in (source, target)]
+    configs = [presets.config_dict(m.config) for m in (source, target)]
     free = set(arch.widths) | set(arch.layer_keys)
     shared = (set(configs[0]) & set(configs[1])) - free
 

@@ -373,13 +373,17 @@ def build_tokenizer(path: str | None = None, model_max_length: int | None = None
     return ByT5Tokenizer()
 
 
+def config_dict(config: Any) -> dict:
+    """A model's config as a plain dict: a diffusers ``FrozenDict`` as it is, a transformers config by ``to_dict``."""
+    return dict(config) if isinstance(config, dict) else config.to_dict()
+
+
 def tokenizer_length(arch: str, config: Any) -> int | None:
     """The ``model_max_length`` a tokenizer built for ``arch`` needs (CLIP pads to its position table), or None."""
     key = architecture(arch).tokenizer_length_key
     if key is None:
         return None
-    config = config if isinstance(config, dict) else config.to_dict()
-    return int(config[key])
+    return int(config_dict(config)[key])
 
 
 def tokenizer_of(arch: str, path: str | None, config: Any):

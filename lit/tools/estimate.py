@@ -458,8 +458,7 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Opt
     keys = presets.architecture(spec.arch).layer_keys
     if not keys:
         return None, f"activations not estimated for arch {spec.arch!r}"
-    config = meta_model(spec).config
-    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    config = presets.config_dict(meta_model(spec).config)
     degree = sequence_parallel if getattr(presets.model_class(spec.arch), "_cp_plan", None) is not None else 1
     trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast,
                               sequence_parallel=degree)
