@@ -417,3 +417,26 @@ def test_distill_held_out_beyond_scores_a_smaller_caption_set_on_a_larger_ones_h
     assert not set(own) & set(small.prompt_list()) and set(own) != set(beyond)
     with pytest.raises(SystemExit, match="names a prompt file or list"):
         distill.held_out_prompts(SimpleNamespace(datamodule=Prompts(prompts=["a red circle"])), 4, beyond=256)
+
+
+def test_gpu_bench_samplers_follow_the_config_they_read(tmp_path):
+    """``bench/gpu.py``'s few-step part builds its teacher and student samplers from the DMD2 YAML: a copy with
+    other steps, CFG and shifts gives those, not the shipped config's."""
+    import importlib.util
+
+    import yaml
+
+    with open(os.path.join(ROOT, "configs", "dmd2.yaml")) as f:
+        config = yaml.safe_load(f)
+    init = config["model"]["init_args"]
+    init["teacher_sampler"]["init_args"].update(num_steps=7, guidance_scale=2.5)
+    init["teacher_sampler"]["init_args"]["scheduler"]["init_args"]["shift"] = 5.0
+    init["sampler"]["init_args"]["scheduler"]["init_args"]["shift"] = 2.0
+    path = tmp_path / "dmd2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "bench", "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    student, teacher = gpu.dmd2_samplers(str(path))
+    assert (teacher.num_steps, teacher.guidance_scale, teacher.scheduler.config.shift) == (7, 2.5, 5.0)
+    assert student.scheduler.config.shift == 2.0 and student.scheduler.config.stochastic_sampling
