@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -65,7 +65,8 @@ class RunArgs:
     Args:
         frames, height, width: pixel size of what the method generates (rollouts, sample videos,
             ``predict``); a video datamodule takes the same size (the CLI links them).
-        seed: seed of the method's own noise generator (offset by the process rank).
+        seed: seed of the method's own noise generator (offset by the process rank); None = the CLI's
+            ``seed_everything`` (so ``--seed_everything 1`` reseeds the whole run), 0 outside the CLI.
         max_nan_steps: stop after this many iterations in a row whose loss was not finite.
         embedded_guidance: the guidance value a guidance-distilled generator embeds (FLUX-dev;
             FluxPipeline's ``guidance_scale``); None = the generator adapter's default; generators without a
@@ -75,7 +76,7 @@ class RunArgs:
     frames: int = 9
     height: int = 32
     width: int = 32
-    seed: int = 0
+    seed: Optional[int] = None
     max_nan_steps: int = 3
     embedded_guidance: Optional[float] = None
 
@@ -103,6 +104,8 @@ class ExpertModule(ExactResume, DeferredLogging):
         self.card = card
         self.sampler = sampler or FlowMatchSampler()
         self.run = run or RunArgs()
+        if self.run.seed is None:
+            self.run = replace(self.run, seed=0)
         # the card's generator: transformer + vae + its text encoders (+ an image encoder), through its adapter
         self.stage = GeneratorStage(card, embedded_guidance=self.run.embedded_guidance)
         self.sync_plans: list[SyncPlan] = []

@@ -5,6 +5,7 @@ import glob
 import os
 
 import pytest
+import torch
 from lightning.pytorch import LightningModule
 
 from posttrain.lit.base import ExpertModule
@@ -39,3 +40,20 @@ def test_finetune_config_is_the_embedded_default():
     assert type(cli.model).__name__ == "Finetune"
     assert type(cli.datamodule).__name__ == "SyntheticVideos"
     assert all(spec.pretrained is None for spec in cli.model.card.specs.values())  # nothing to download
+
+
+@pytest.mark.parametrize("config", ["finetune.yaml", "dmd2.yaml"])  # no `run:` in the YAML, and one with a `run:`
+def test_seed_everything_reseeds_the_methods_own_noise(config, tmp_path):
+    """The method draws its noise from its own generators (``run.seed``); a run's ``seed_everything`` reaches them
+    unless the config gives ``run.seed`` itself."""
+    def first_draw(*extra: str) -> tuple[int, torch.Tensor]:
+        cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", config), "--trainer.logger", "false",
+                                 "--trainer.default_root_dir", str(tmp_path), *extra], run=False)
+        return cli.model.run.seed, torch.randn(4, generator=cli.model.generator)
+
+    seed, one = first_draw("--seed_everything", "1")
+    assert seed == 1
+    assert torch.equal(one, first_draw("--seed_everything", "1")[1])
+    assert not torch.equal(one, first_draw("--seed_everything", "2")[1])
+    assert first_draw("--seed_everything", "2", "--model.init_args.run.seed", "1")[0] == 1  # given: it wins
+    assert first_draw()[0] == 0  # the configs' seed_everything: 0

@@ -19,10 +19,12 @@ import importlib
 import inspect
 import os
 import sys
+from dataclasses import fields
 from typing import Any, Literal, Optional
 from unittest import mock
 
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
@@ -112,6 +114,7 @@ class PosttrainCLI(LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         if config.get("preset") == "tiny":
             apply_tiny_preset(config)
+        seed_run(config)
         derive_run_folder(config.trainer, subcommand or "fit", config.get("ckpt_path"))
 
     def instantiate_trainer(self, **kwargs: Any):
@@ -122,6 +125,20 @@ class PosttrainCLI(LightningCLI):
         if config.get("enable_model_summary", True) is not False:
             extra.append(ExpertSummary())
         return self._instantiate_trainer(config, extra)
+
+
+def seed_run(config) -> None:
+    """The method's noise seed (``model.init_args.run.seed``) follows ``seed_everything`` where the config gives
+    none: Lightning's seed reaches the global RNGs only, and the method draws its noise from its own generators."""
+    init_args = config.model.get("init_args") if config.get("model") is not None else None
+    seed = config.get("seed_everything")
+    if init_args is None or isinstance(seed, bool) or seed is None:  # False: unseeded; the run keeps its 0
+        return
+    run = init_args.get("run")
+    if run is None:
+        init_args.run = Namespace(**{**{f.name: getattr(RunArgs(), f.name) for f in fields(RunArgs)}, "seed": int(seed)})
+    elif run.get("seed") is None:
+        run.seed = int(seed)
 
 
 # ---------------------------------------------------------------------- one video size
