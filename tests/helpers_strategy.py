@@ -200,3 +200,33 @@ class RecordExitSteps(Callback):
         step = trainer.callback_metrics.get("train/exit_step")
         with open(os.path.join(self.folder, f"exit_{trainer.global_rank}.txt"), "a") as f:
             f.write(f"{trainer.global_step} {None if step is None else int(step)}\n")
+
+
+class RecordStartGap(Callback):
+    """At the start of a fresh run, write to ``<folder>/gap_<rank>.txt`` how far the student's velocity on a fixed
+    input lies from the teacher's: ``<largest difference> <largest teacher value>`` (an ``init_from`` student that
+    starts as its teacher's function reads a difference at float rounding, on every process); at the end of the
+    run the same to ``end_gap_<rank>.txt``."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not trainer.global_step:
+            self.record(trainer, pl_module, "gap")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.record(trainer, pl_module, "end_gap")
+
+    def record(self, trainer, pl_module, name: str) -> None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn((1, *pl_module.stage.latent_shape(pl_module.video)), generator=g).to(pl_module.device)
+        t = torch.full((1,), 500.0, device=pl_module.device)
+        cond = pl_module.stage.condition(["a red circle moving left"], pl_module.device)
+        with torch.no_grad():
+            with pl_module.stage.velocity("teacher") as teacher:
+                v_teacher = teacher(x, t, cond).float()
+            with pl_module.stage.velocity("transformer") as student:
+                v_student = student(x, t, cond).float()
+        with open(os.path.join(self.folder, f"{name}_{trainer.global_rank}.txt"), "w") as f:
+            f.write(f"{(v_student - v_teacher).abs().max().item()} {v_teacher.abs().max().item()}\n")

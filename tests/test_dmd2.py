@@ -23,6 +23,7 @@ from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.samplers import FlowMatchSampler
+from tests.conftest import TINY_WAN
 from tests.helpers import assert_one_metric_scheme, quick_trainer
 
 SIZE = RunArgs(frames=5, height=16, width=16)
@@ -639,10 +640,15 @@ def test_bad_settings_name_the_option():
 
 
 # ---------------------------------------------------------------------- two processes: ZeRO-3 student, DDP critic
+WIDE_DEEP = {**TINY_WAN, "num_attention_heads": 2 * TINY_WAN["num_attention_heads"], "ffn_dim": 2 * TINY_WAN["ffn_dim"],
+             "num_layers": 2 * TINY_WAN["num_layers"]}  # a student twice the tiny teacher's width and depth
+
+
 @pytest.mark.timeout(1200)
 def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp_path):
-    """``posttrain fit`` on 2 processes: the student in a ZeRO-3 engine (initialised from the teacher through the
-    gathered shards), the critic under DDP, ratio 2 over 4 iterations. A run SIGKILLed after iteration 3 and
+    """``posttrain fit`` on 2 processes: the student in a ZeRO-3 engine, twice the teacher's width and depth and
+    initialised from it through the gathered shards (widening and block expansion: it starts as the teacher's
+    function on both processes), the critic under DDP, ratio 2 over 4 iterations. A run SIGKILLed after iteration 3 and
     resumed from its iteration-2 checkpoint (the student steps again at 2) ends bit for bit where the
     uninterrupted run ends: both experts and the critic's optimizer; the student's optimizer is in its shards.
     Both processes drew the same exit step every iteration."""
@@ -655,12 +661,13 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
                    "class_path": "diffusers.FlowMatchEulerDiscreteScheduler",
                    "init_args": {"shift": 3.0, "stochastic_sampling": True}}}}
     adam = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "betas": [0.0, 0.999]}}
-    experts = {"teacher": {"arch": "wan_t2v", "preset": h.TINY_WAN},  # the students' (tiny random) architecture
-               "transformer": h.expert(3, init_from="teacher", optimizer=adam),
+    experts = {"teacher": {"arch": "wan_t2v", "preset": h.TINY_WAN},  # tiny random; the critic its shape
+               "transformer": h.expert(3, init_from="teacher", optimizer=adam, preset=WIDE_DEEP),
                "critic": h.expert(None, init_from="teacher", optimizer=adam)}
 
     def config(folder, kill=False):
-        callbacks = [{"class_path": "helpers_strategy.RecordExitSteps", "init_args": {"folder": folder}}]
+        callbacks = [{"class_path": "helpers_strategy.RecordExitSteps", "init_args": {"folder": folder}},
+                     {"class_path": "helpers_strategy.RecordStartGap", "init_args": {"folder": folder}}]
         if kill:
             callbacks.append({"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}})
         return h.config(folder, zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, callbacks=callbacks,
@@ -685,8 +692,17 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
     for name in ("transformer", "critic"):
         wa, wb = h.weights(a, name), h.weights(b, name)
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f"{name} differs"
+    def gaps(name: str) -> list[tuple[float, float]]:  # (largest difference, teacher's scale) on ranks 0 and 1
+        return [tuple(map(float, open(os.path.join(full, f"{name}_{r}.txt")).read().split())) for r in (0, 1)]
+
+    start, end = gaps("gap"), gaps("end_gap")
+    # the wider, deeper student started as the teacher's function, the same on both processes, and trained away
+    assert start[0] == start[1] and start[0][0] < 1e-4 * start[0][1], start
+    assert end[0] == end[1] and end[0][0] > 100 * start[0][0], (start, end)
     teacher, student = h.weights(a, "teacher"), h.weights(a, "transformer")
-    assert max((teacher[k] - student[k]).abs().max().item() for k in teacher) > 1e-4  # the student trained
+    assert len(student) > len(teacher)  # twice the blocks
+    ffn = "blocks.0.ffn.net.0.proj.weight"
+    assert student[ffn].shape == tuple(2 * n for n in teacher[ffn].shape), (student[ffn].shape, teacher[ffn].shape)
     (critic_a,), (critic_b,) = state_a["optimizer_states"], state_b["optimizer_states"]
     assert all(torch.equal(v, critic_b["state"][i][k]) for i, s in critic_a["state"].items() for k, v in s.items())
     assert os.path.isdir(os.path.join(a, "transformer", "zero"))
