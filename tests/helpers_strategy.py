@@ -202,7 +202,7 @@ class RecordExitSteps(Callback):
             f.write(f"{trainer.global_step} {None if step is None else int(step)}\n")
 
 
-class RecordStartGap(Callback):
+class RecordStudentGap(Callback):
     """At the start of a fresh run, write to ``<folder>/gap_<rank>.txt`` how far the student's velocity on a fixed
     input lies from the teacher's: ``<largest difference> <largest teacher value>`` (an ``init_from`` student that
     starts as its teacher's function reads a difference at float rounding, on every process); at the end of the

@@ -661,13 +661,13 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
                    "class_path": "diffusers.FlowMatchEulerDiscreteScheduler",
                    "init_args": {"shift": 3.0, "stochastic_sampling": True}}}}
     adam = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "betas": [0.0, 0.999]}}
-    experts = {"teacher": {"arch": "wan_t2v", "preset": h.TINY_WAN},  # tiny random; the critic its shape
+    experts = {"teacher": {"arch": "wan_t2v", "preset": TINY_WAN},  # tiny random; the critic its shape
                "transformer": h.expert(3, init_from="teacher", optimizer=adam, preset=WIDE_DEEP),
                "critic": h.expert(None, init_from="teacher", optimizer=adam)}
 
     def config(folder, kill=False):
         callbacks = [{"class_path": "helpers_strategy.RecordExitSteps", "init_args": {"folder": folder}},
-                     {"class_path": "helpers_strategy.RecordStartGap", "init_args": {"folder": folder}}]
+                     {"class_path": "helpers_strategy.RecordStudentGap", "init_args": {"folder": folder}}]
         if kill:
             callbacks.append({"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}})
         return h.config(folder, zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, callbacks=callbacks,

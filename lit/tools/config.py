@@ -136,7 +136,8 @@ def seed_run(config) -> None:
         return
     run = init_args.get("run")
     if run is None:
-        init_args.run = Namespace(**{**{f.name: getattr(RunArgs(), f.name) for f in fields(RunArgs)}, "seed": int(seed)})
+        defaults = {f.name: getattr(RunArgs(), f.name) for f in fields(RunArgs)}
+        init_args.run = Namespace(**{**defaults, "seed": int(seed)})
     elif run.get("seed") is None:
         run.seed = int(seed)
 
