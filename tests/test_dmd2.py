@@ -53,8 +53,9 @@ def student_sampler(**kwargs) -> FlowMatchSampler:
 
 def dmd2(card=None, ratio: int = 3, **kwargs) -> DMD2:
     torch.manual_seed(0)  # the random tiny teacher: the same weights in every run of a test
+    run = kwargs.pop("run", SIZE)
     return DMD2(card or distill_card(), student_sampler(), generator_update_ratio=ratio,
-                teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5), run=SIZE, **kwargs)
+                teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5), run=run, **kwargs)
 
 
 def prompts(n: int = 24) -> Prompts:
@@ -452,6 +453,25 @@ def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path):
     assert differs(weights(first, "critic"), weights(resumed, "critic")) > 0
     assert differs({k: v for k, v in weights(first, "critic").items() if k.startswith("gan_head.")},
                    {k: v for k, v in weights(resumed, "critic").items() if k.startswith("gan_head.")}) > 0
+
+
+def test_a_resume_keeps_the_runs_seed_whatever_the_launch_draws(tmp_path):
+    """The run's seed is in its checkpoint: resumed from a launch seeded otherwise (``seed_everything: true`` draws a
+    new seed each launch), the run warns, keeps its own seed — its teacher pairs, drawn from it as prompts first come,
+    are the ones it drew before — and ends bit for bit where the uninterrupted run ends."""
+    import dataclasses
+
+    seeded = dict(run=dataclasses.replace(SIZE, seed=3), regression_weight=1.0, regression_pairs=2, ratio=1)
+    straight, _ = run_to(tmp_path / "straight", 6, **seeded)
+    run_to(tmp_path / "resumed", 4, **seeded)
+    path = str(tmp_path / "resumed" / "ckpt" / "epoch=0-step=4.ckpt")
+    assert checkpoints.load(path)["posttrain"]["run"]["seed"] == 3
+    with pytest.warns(UserWarning, match=r"resuming a run seeded 3 \(run.seed\) from a launch seeded 5"):
+        launch = {**seeded, "run": dataclasses.replace(SIZE, seed=5)}
+        resumed, _ = run_to(tmp_path / "resumed", 6, ckpt_path=path, **launch)
+    assert resumed.run.seed == 3
+    a, b = weights(straight, "transformer"), weights(resumed, "transformer")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed student differs"
 
 
 # ---------------------------------------------------------------------- DMD's regression on teacher pairs

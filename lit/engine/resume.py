@@ -21,6 +21,7 @@ Lightning's own ``_collect_rng_states`` / ``_set_rng_states`` take and restore t
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 
 from posttrain.callbacks.checkpoints import wandb_run_id_of
 from posttrain.lit.engine.checkpoint_io import install_checkpoint_io
@@ -102,7 +104,7 @@ class ExactResume(LightningModule):
             "arch": {name: spec.arch for name, spec in self.card.specs.items()},
             "sources": self.card.sources(),
             "serving": self.serving_settings(),
-            "run": {"wandb_id": None if run_id is None else str(run_id)},
+            "run": {"wandb_id": None if run_id is None else str(run_id), "seed": self.run.seed},
             "frozen": frozen,
             "generators": generators,
             "shared_generator": self.shared_generator.get_state(),
@@ -120,6 +122,12 @@ class ExactResume(LightningModule):
                              "load plain weights with `pretrained:` on the expert instead")
         check_signature(state["signature"], self.card.signature())
         self._restore_frozen(checkpoint, state.get("frozen") or {})
+        seed = (state.get("run") or {}).get("seed")
+        if seed is not None and seed != self.run.seed:  # e.g. `seed_everything: true` draws a new seed each launch
+            rank_zero_warn(f"resuming a run seeded {seed} (run.seed) from a launch seeded {self.run.seed}: the run "
+                           f"keeps its own seed, so it continues exactly (what it draws from the seed, such as DMD2's "
+                           f"teacher pairs, is what it drew before)")
+            self.run = replace(self.run, seed=seed)
         generators = state["generators"]  # one per process that wrote the checkpoint
         if self.global_rank < len(generators):  # a process beyond them keeps its own fresh stream (seed + rank)
             self.generator.set_state(generators[self.global_rank])
