@@ -132,8 +132,8 @@ def seed_run(config) -> None:
     none: Lightning's seed reaches the global RNGs only, and the method draws its noise from its own generators."""
     init_args = config.model.get("init_args") if config.get("model") is not None else None
     seed = config.get("seed_everything")
-    if init_args is None or isinstance(seed, bool) or seed is None:  # False: unseeded; the run keeps its 0
-        return
+    if init_args is None or "run" not in init_args or isinstance(seed, bool) or seed is None:  # a model without
+        return  # `run`; seed_everything False: unseeded, the run keeps its 0
     run = init_args.get("run")
     if run is None:
         defaults = {f.name: getattr(RunArgs(), f.name) for f in fields(RunArgs)}
