@@ -57,7 +57,8 @@ def test_kill_job_takes_the_rank_a_forked_command_started(tmp_path):
     assert "not" not in lines, done.stdout
     pid, kind = lines["rank"].split()
     assert kind == "_Rank", f"the launcher's Popen started a cold process ({kind}), not a forked rank"
-    assert lines["alive"] == "True", f"rank 1 was gone before the kill:\n{done.stderr[-2000:]}"
+    assert lines.get("alive") == "True", (  # the script's own output and the rank's, should the job die early
+        f"rank 1 was gone before the kill, or the script before its check:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     while alive(int(pid)) and time.monotonic() - killed < 3.0:  # the server reaps it
         time.sleep(0.05)
     assert not alive(int(pid)), "rank 1 outlived the job's kill (it would only leave 10 s after rank 0)"
