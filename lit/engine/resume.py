@@ -46,12 +46,16 @@ class ExactResume(LightningModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        # one stream per data-parallel rank: the processes of a sequence group share a sample, and its noise
+        self._seed_generators()
+        install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
+
+    def _seed_generators(self) -> None:
+        """The method's streams from ``run.seed``: one per data-parallel rank (the processes of a sequence group
+        share a sample, and its noise), and the shared one."""
         data_rank = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}).get(
             "rank", self.global_rank)
         self.generator = torch.Generator().manual_seed(self.run.seed + data_rank)
         self.shared_generator = torch.Generator().manual_seed(self.run.seed)
-        install_checkpoint_io(self.trainer.strategy)  # verified checkpoint folders, weights only
 
     # ------------------------------------------------------------------ only training draws from the global RNGs
     # Between two training batches Lightning may run a validation, or, in a resumed run, fast-forward over the one
@@ -128,6 +132,7 @@ class ExactResume(LightningModule):
                            f"keeps its own seed, so it continues exactly (what it draws from the seed, such as DMD2's "
                            f"teacher pairs, is what it drew before)")
             self.run = replace(self.run, seed=seed)
+            self._seed_generators()  # a process the checkpoint has no stream for starts from the run's seed too
         generators = state["generators"]  # one per process that wrote the checkpoint
         if self.global_rank < len(generators):  # a process beyond them keeps its own fresh stream (seed + rank)
             self.generator.set_state(generators[self.global_rank])

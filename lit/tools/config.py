@@ -19,7 +19,7 @@ import importlib
 import inspect
 import os
 import sys
-from dataclasses import fields
+from dataclasses import asdict
 from typing import Any, Literal, Optional
 from unittest import mock
 
@@ -134,12 +134,10 @@ def seed_run(config) -> None:
     seed = config.get("seed_everything")
     if init_args is None or "run" not in init_args or isinstance(seed, bool) or seed is None:  # a model without
         return  # `run`; seed_everything False: unseeded, the run keeps its 0
-    run = init_args.get("run")
-    if run is None:
-        defaults = {f.name: getattr(RunArgs(), f.name) for f in fields(RunArgs)}
-        init_args.run = Namespace(**{**defaults, "seed": int(seed)})
-    elif run.get("seed") is None:
-        run.seed = int(seed)
+    if init_args.run is None:  # the whole dataclass, as the parser holds one the config gives
+        init_args.run = Namespace(**asdict(RunArgs(seed=int(seed))))
+    elif init_args.run.get("seed") is None:
+        init_args.run.seed = int(seed)
 
 
 # ---------------------------------------------------------------------- one video size
