@@ -75,6 +75,8 @@ class DMD2(ExpertModule):
         gan_critic_weight: weight of the head's real-vs-fake loss in the critic's update (DMD2's
             ``guidance_cls_loss_weight``, anchor 1e-2); real = teacher samples of the batch's prompts, fake = the
             student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
+        gan_blocks: the critic's blocks whose output features the head reads, concatenated per token (-1 = the
+            last, DMD2's bottleneck; several = a discriminator on several depths, as LADD's heads).
         regression_weight: weight of DMD's regression loss (Yin et al. 2023, the first DMD): the student's first
             step from a teacher pair's noise regresses onto the teacher's sample from that noise (latent MSE), added
             to the student's loss; 0 = off (DMD2's choice at ImageNet scale). A chunked student regresses each
@@ -105,7 +107,8 @@ class DMD2(ExpertModule):
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, student_steps: int = 4,
                  backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
-                 gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0, regression_weight: float = 0.0,
+                 gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0,
+                 gan_blocks: tuple[int, ...] = (-1,), regression_weight: float = 0.0,
                  regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
                  regression_until: Optional[int] = None,
                  ema_decay: Optional[float] = None,
@@ -148,6 +151,9 @@ class DMD2(ExpertModule):
         elif gan_generator_weight > 0 and gan_critic_weight == 0:
             problems.append(f"gan_generator_weight={gan_generator_weight} needs gan_critic_weight > 0: the head the "
                             f"student is scored by never learns otherwise (DMD2 anchor 1e-2)")
+        if tuple(gan_blocks) != (-1,) and gan_critic_weight == 0:
+            problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
+                            f"gan_critic_weight=0 has no GAN term: set gan_critic_weight > 0 or drop gan_blocks")
         if regression_weight < 0 or regression_pairs < 1:
             problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
                             f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
@@ -175,6 +181,7 @@ class DMD2(ExpertModule):
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
+        self.gan_blocks = tuple(gan_blocks)
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
         self.regression_steps, self.regression_until = regression_steps, regression_until
         self.ema_decay = ema_decay
@@ -190,7 +197,7 @@ class DMD2(ExpertModule):
     def setup_roles(self) -> None:
         super().setup_roles()
         if self.gan:  # the head is part of the critic: its optimizer, checkpoint entry and versions
-            attach_head(self.card.models[self.critic], seed=self.run.seed)
+            attach_head(self.card.models[self.critic], seed=self.run.seed, blocks=self.gan_blocks)
         self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -230,10 +237,11 @@ class DMD2(ExpertModule):
                                                            guidance_rescale=self.real_guidance_rescale)
             critic_model = self.card.models[self.critic]
             frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
+            features = block_features(critic_model, self.gan_blocks) if self.gan else contextlib.nullcontext()
             with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
-                    block_features(critic_model) as features:
+                    features as features:
                 v_fake = critic(x_t, t, cond).float()
-                gan_loss = gan_generator_loss(self.gan_head(features[-1])) if self.gan else torch.zeros(len(prompts))
+                gan_loss = gan_generator_loss(self.gan_head(features())) if self.gan else torch.zeros(len(prompts))
             x_t = x_t.detach()
             per_sample, metrics = dmd_generator_loss(x0, x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
@@ -277,10 +285,10 @@ class DMD2(ExpertModule):
 
             def gan_critic_part() -> torch.Tensor:  # its own forward: the flow-matching graph never reaches the head
                 with self.stage.velocity(self.critic) as critic, \
-                        block_features(self.card.models[self.critic]) as features:
+                        block_features(self.card.models[self.critic], self.gan_blocks) as features:
                     critic(noised(torch.cat([real, sample]), eps, sigma), self.sampler.timestep_of(sigma),
                            Conditioning.cat([cond, cond]))
-                real_logits, fake_logits = self.gan_head(features[-1]).chunk(2)
+                real_logits, fake_logits = self.gan_head(features()).chunk(2)
                 per_sample, gan_metrics = gan_critic_loss(real_logits, fake_logits)
                 self.log(f"train/gan_loss/{self.critic}", per_sample.detach().mean(), on_step=True)
                 for key, value in gan_metrics.items():

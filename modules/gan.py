@@ -9,14 +9,18 @@ samples (fake); the student gets the non-saturating generator loss through the f
 
 Here the features are the hidden states after the critic's last transformer block, ``(B, N, D)`` tokens; the head
 scores every token and averages the logits (a patch discriminator over space-time tokens, which after attention
-each see the whole clip, motion included). The head is a submodule of the critic (``attach_head``), so it steps
+each see the whole clip, motion included). With several blocks (``blocks``), each token's features from those
+blocks are concatenated, ``(B, N, k·D)``, before the head reads them: a discriminator on several depths of the
+critic, as LADD's (Sauer et al. 2024) heads read several layers of theirs.
+
+The head is a submodule of the critic (``attach_head``), so it steps
 with the critic's optimizer, lives in the critic's checkpoint entry and resumes with it, as in the reference
 (``cls_pred_branch`` belongs to the guidance model and its optimizer).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -41,30 +45,56 @@ def feature_dim(transformer: nn.Module) -> int:
     return int(config.num_attention_heads * config.attention_head_dim)
 
 
-def attach_head(critic: nn.Module, seed: int, hidden: int = 64) -> FeatureClassifier:
-    """Give ``critic`` (a Wan transformer: ``blocks``) its GAN head, initialised from ``seed`` without touching the
-    global RNG (the run's other draws stay where they were). Returns the head."""
+def feature_blocks(critic: nn.Module, blocks: Sequence[int]) -> list[int]:
+    """``blocks`` as sorted non-negative indices into ``critic.blocks`` (-1 = the last); a clear error for an index
+    the critic has not."""
     if not hasattr(critic, "blocks"):
         raise ValueError(f"the GAN head reads the critic's transformer blocks; {type(critic).__name__} has no "
                          f"`blocks` (use a Wan critic, or set gan_critic_weight and gan_generator_weight to 0)")
+    n = len(critic.blocks)
+    wrong = [b for b in blocks if not -n <= b < n]
+    if wrong or not blocks:
+        raise ValueError(f"gan_blocks={list(blocks)}: the critic has {n} blocks, so each index lies in "
+                         f"[{-n}, {n - 1}] (-1 = the last) and at least one is given")
+    return sorted({b % n for b in blocks})
+
+
+def attach_head(critic: nn.Module, seed: int, blocks: Sequence[int] = (-1,), hidden: int = 64) -> FeatureClassifier:
+    """Give ``critic`` (a Wan transformer: ``blocks``) its GAN head on the features of ``blocks``, initialised from
+    ``seed`` without touching the global RNG (the run's other draws stay where they were). Returns the head."""
+    width = feature_dim(critic) * len(feature_blocks(critic, blocks))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = FeatureClassifier(feature_dim(critic), hidden)
+        head = FeatureClassifier(width, hidden)
     first = next(critic.parameters())
     critic.add_module(HEAD, head.to(device=first.device))
     return head
 
 
 @contextlib.contextmanager
-def block_features(transformer: nn.Module, index: int = -1) -> Iterator[list[torch.Tensor]]:
-    """Collect the output hidden states (B, N, D) of ``transformer.blocks[index]`` of every forward run inside the
-    context (a forward hook; the transformer's output is unchanged)."""
-    found: list[torch.Tensor] = []
-    handle = transformer.blocks[index].register_forward_hook(lambda _module, _args, output: found.append(output))
+def block_features(transformer: nn.Module, blocks: Sequence[int] = (-1,)) -> Iterator[Callable[[], torch.Tensor]]:
+    """Inside the context, the hidden states (B, N, D) each of ``transformer.blocks[i]`` (i in ``blocks``) outputs
+    are kept (forward hooks; the transformer's output is unchanged); the context yields a function returning the
+    last forward's, concatenated in block order on the feature axis, (B, N, k·D)."""
+    indices = feature_blocks(transformer, blocks)
+    found: dict[int, torch.Tensor] = {}
+
+    def keep(index: int):
+        return lambda _module, _args, output: found.__setitem__(index, output)
+
+    handles = [transformer.blocks[i].register_forward_hook(keep(i)) for i in indices]
+
+    def features() -> torch.Tensor:
+        missing = [i for i in indices if i not in found]
+        if missing:
+            raise RuntimeError(f"no forward of the critic ran blocks {missing} inside block_features")
+        return torch.cat([found[i] for i in indices], dim=-1)
+
     try:
-        yield found
+        yield features
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager

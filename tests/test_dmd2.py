@@ -22,6 +22,7 @@ from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.gan import block_features, feature_dim
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN
 from tests.helpers import assert_one_metric_scheme, quick_trainer
@@ -434,6 +435,37 @@ def test_gan_head_gets_gradient_only_from_the_terms_meant_for_it(monkeypatch):
     assert all(p.requires_grad for p in critic + head)
 
 
+def test_a_head_on_several_blocks_reads_each_of_them():
+    """``gan_blocks``: the head reads the named blocks' output features, concatenated per token in block order (k·D
+    wide), and its loss reaches the critic through them: with block 0 alone it reaches block 0 and nothing above it
+    (the blocks above run after the features it reads); with blocks 0 and -1 it reaches every block."""
+    seen = {}
+    for blocks in [(0,), (0, -1)]:
+        module = dmd2(ratio=2, gan_blocks=blocks, **GAN)
+        module.configure_model()
+        critic_model = module.card.models["critic"]
+        width = feature_dim(critic_model)
+        assert module.gan_head.net[0].normalized_shape == (width * len(blocks),)
+        outputs = []
+        hooks = [b.register_forward_hook(lambda _m, _a, out: outputs.append(out)) for b in critic_model.blocks]
+        cond = module.stage.condition(["a red square moving right"], "cpu")
+        x = torch.randn(1, *module.stage.latent_shape(module.video), generator=torch.Generator().manual_seed(0))
+        with module.stage.velocity("critic") as critic, block_features(critic_model, blocks) as features:
+            critic(x, module.sampler.timestep_of(torch.tensor([0.5])), cond)
+            read = features()
+        for hook in hooks:
+            hook.remove()
+        expected = [outputs[0]] + ([outputs[-1]] if len(blocks) == 2 else [])
+        assert torch.equal(read, torch.cat(expected, dim=-1))
+        module.gan_head(read).sum().backward()
+        seen[blocks] = [any(p.grad is not None and p.grad.abs().sum() > 0 for p in block.parameters())
+                        for block in critic_model.blocks]
+    assert seen[(0,)] == [True] + [False] * (len(seen[(0,)]) - 1)
+    assert all(seen[(0, -1)])
+    with pytest.raises(ValueError, match=r"gan_blocks=\[7\]: the critic has 4 blocks, so each index lies in \[-4, 3\]"):
+        dmd2(gan_blocks=(7,), **GAN).configure_model()
+
+
 def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path):
     """With the GAN term the head is part of the critic: the iteration-4 checkpoint holds its weights, and resuming
     it to iteration 8 ends bit for bit where the uninterrupted run ends — head, critic, student and both optimizers
@@ -453,6 +485,23 @@ def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path):
     assert differs(weights(first, "critic"), weights(resumed, "critic")) > 0
     assert differs({k: v for k, v in weights(first, "critic").items() if k.startswith("gan_head.")},
                    {k: v for k, v in weights(resumed, "critic").items() if k.startswith("gan_head.")}) > 0
+
+
+def test_a_checkpoint_from_other_gan_settings_is_refused_by_name(tmp_path):
+    """The GAN head is a module the settings add to the critic, outside the experts' configs the signature checks:
+    a checkpoint written with the head on the last block, resumed with it on two blocks (a wider head) or without
+    the GAN term, is refused before anything loads, naming the head's weights and the settings to match."""
+    run_to(tmp_path / "run", 2, **GAN)
+    path = str(tmp_path / "run" / "ckpt" / "epoch=0-step=2.ckpt")
+    before = checkpoints.load(path)["state_dict"]
+    refused = (r"(?s)checkpoint weights do not fit this run's modules \(\d+ differ\); nothing was loaded:"
+               r".*critic\.gan_head\.net\.0\.weight: checkpoint \(\d+,\) vs run.*gan_blocks")
+    with pytest.raises(ValueError, match=refused):
+        run_to(tmp_path / "wider", 4, ckpt_path=path, gan_blocks=(0, -1), **GAN)
+    with pytest.raises(ValueError, match=r"gan_head\.net\.0\.bias: in the checkpoint, not in the run"):
+        run_to(tmp_path / "off", 4, ckpt_path=path)
+    after = checkpoints.load(path)["state_dict"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_resume_keeps_the_runs_seed_whatever_the_launch_draws(tmp_path):
@@ -638,6 +687,8 @@ def test_bad_settings_name_the_option():
         dmd2(gan_generator_weight=3e-3)
     with pytest.raises(ValueError, match=r"gan_generator_weight=-1.0 and gan_critic_weight=0.0 must be >= 0"):
         dmd2(gan_generator_weight=-1.0)
+    with pytest.raises(ValueError, match=r"gan_blocks=\[0, -1\] chooses the critic's blocks .* gan_critic_weight=0"):
+        dmd2(gan_blocks=(0, -1))
     with pytest.raises(ValueError, match=r"backward_simulation=False .* sampler.chunk_frames=1"):
         DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1), backward_simulation=False,
              run=SIZE)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -126,6 +126,7 @@ class ExactResume(LightningModule):
                              "load plain weights with `pretrained:` on the expert instead")
         check_signature(state["signature"], self.card.signature())
         self._restore_frozen(checkpoint, state.get("frozen") or {})
+        check_state_fits(checkpoint["state_dict"], self.state_dict(keep_vars=True))
         seed = (state.get("run") or {}).get("seed")
         if seed is not None and seed != self.run.seed:  # e.g. `seed_everything: true` draws a new seed each launch
             rank_zero_warn(f"resuming a run seeded {seed} (run.seed) from a launch seeded {self.run.seed}: the run "
@@ -182,6 +183,29 @@ def check_signature(saved: dict, current: dict, shown: int = 3) -> None:
         raise ValueError(f"checkpoint does not match this model card ({len(names)} expert(s) differ); nothing was "
                          f"loaded:\n  - " + "\n  - ".join(problems[:shown]) + rest
                          + "\nResume with the config the checkpoint was trained with, or start a new run.")
+
+
+def check_state_fits(saved: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], shown: int = 3) -> None:
+    """Refuse a checkpoint whose weights do not fit the module though its experts match (``check_signature``):
+    modules a method adds to an expert from its settings (DMD2's GAN head on the critic: ``gan_critic_weight``,
+    ``gan_blocks``) differ from the run that wrote it. Compared: the keys the checkpoint holds (a sharded expert's
+    engine saves its own, so its keys are in neither list here) and, for each expert the checkpoint holds keys
+    of, the keys it lacks."""
+    def expert(key: str) -> str:
+        return ".".join(key.split(".")[:3])  # card.models.<name>
+
+    held = {expert(k) for k in saved}
+    problems = [f"{k}: checkpoint {tuple(v.shape)} vs run {tuple(current[k].shape)}" for k, v in saved.items()
+                if k in current and tuple(v.shape) != tuple(current[k].shape)]
+    problems += [f"{k}: in the checkpoint, not in the run" for k in saved if k not in current]
+    problems += [f"{k}: in the run, not in the checkpoint" for k in current if k not in saved and expert(k) in held]
+    if problems:
+        rest = f"\n  - and {len(problems) - shown} more" if len(problems) > shown else ""
+        raise ValueError(f"checkpoint weights do not fit this run's modules ({len(problems)} differ); nothing was "
+                         f"loaded:\n  - " + "\n  - ".join(problems[:shown]) + rest
+                         + "\nA setting that adds or reshapes a module (DMD2's GAN head: gan_critic_weight, "
+                           "gan_blocks) differs from the run that wrote it: resume with its config (config.yaml "
+                           "beside the run), or start a new run.")
 
 
 def model_config(model: torch.nn.Module) -> dict:
