@@ -12,7 +12,8 @@ normalized per sample. The critic steps every iteration; the student only on eve
 two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
 on the critic's last-block features (``modules/gan.py``) learns teacher samples (real) from the student's (fake),
 both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
-critic and head (``gan_generator_weight``). With ``regression_weight`` > 0, the first DMD's regression loss: the
+critic and head (``gan_generator_weight``); ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's
+(their gradient norms there, weights included: whether the GAN term does anything at the weights given). With ``regression_weight`` > 0, the first DMD's regression loss: the
 student's first step maps a teacher pair's noise to the teacher's sample from it. Math: METHODS.md (dmd2),
 ``modules/losses.py``.
 
@@ -41,7 +42,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.gan import HEAD, attach_head, block_features, frozen
+from posttrain.modules.gan import HEAD, attach_head, block_features, frozen, tapped
 from posttrain.modules.losses import (dmd_generator_loss, flow_matching_loss, gan_critic_loss, gan_generator_loss,
                                       noised, sample_sigmas, x0_from_velocity)
 from posttrain.modules.samplers import FlowMatchSampler
@@ -228,7 +229,8 @@ class DMD2(ExpertModule):
         if update_student:
             sigma = self.score_sigmas(len(prompts))
             eps = torch.randn(x0.shape, generator=self.generator).to(x0)
-            x_t = noised(x0 if self.gan else x0.detach(), eps, sigma)
+            pull: dict[str, torch.Tensor] = {}  # each term's gradient norm at x̂0, filled by the backward
+            x_t = noised(tapped(x0, pull, "gan") if self.gan else x0.detach(), eps, sigma)
             t = self.sampler.timestep_of(sigma)
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
@@ -243,7 +245,7 @@ class DMD2(ExpertModule):
                 v_fake = critic(x_t, t, cond).float()
                 gan_loss = gan_generator_loss(self.gan_head(features())) if self.gan else torch.zeros(len(prompts))
             x_t = x_t.detach()
-            per_sample, metrics = dmd_generator_loss(x0, x0_from_velocity(x_t, v_real, sigma),
+            per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd"), x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
             loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
             warm = self.regression_until is None or self.global_step < self.regression_until
@@ -268,6 +270,8 @@ class DMD2(ExpertModule):
                 self.log(f"train/{key}/{self.student}", value, on_step=True)
             if self.gan:
                 self.log(f"train/gan_loss/{self.student}", gan_loss.detach().mean(), on_step=True)
+                if "gan" in pull and "dmd" in pull:  # the GAN term's pull on x̂0 against DMD's (weights included)
+                    self.log(f"train/gan_to_dmd_grad/{self.student}", pull["gan"] / pull["dmd"], on_step=True)
 
         # 4. critic, every iteration: flow matching on the student's detached samples, target ε - sg(x̂0); with the
         #    GAN term, its head learns teacher samples (real) from the student's (fake), both noised at a fresh σ

@@ -109,3 +109,14 @@ def frozen(module: nn.Module) -> Iterator[None]:
     finally:
         for p in params:
             p.requires_grad_(True)
+
+
+def tapped(x: torch.Tensor, norms: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """``x`` as a new node of the graph whose backward records the norm of the gradient reaching it through this
+    node alone in ``norms[key]``: feed one loss term ``tapped(x0, ...)`` and another ``x0`` (or its own tap) and one
+    backward tells each term's pull on x0 apart (the GAN term's against DMD's), at no extra cost."""
+    y = x.view_as(x)
+    if y.requires_grad:
+        y.register_hook(lambda grad: norms.__setitem__(key, grad.detach().float().norm()))
+    return y
+

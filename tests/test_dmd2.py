@@ -466,6 +466,47 @@ def test_a_head_on_several_blocks_reads_each_of_them():
         dmd2(gan_blocks=(7,), **GAN).configure_model()
 
 
+def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
+    """``train/gan_to_dmd_grad``: the GAN term's gradient norm at the student's x̂0 (weight included) over DMD's,
+    read off the student's own backward. Checked against both gradients taken apart with autograd on the same
+    iteration, at two GAN weights (the ratio follows the weight); without the GAN term nothing is logged."""
+    real_noised, real_gan, real_dmd = dmd2_module.noised, dmd2_module.gan_generator_loss, dmd2_module.dmd_generator_loss
+
+    def logged(weight: float) -> tuple[float, float]:
+        module, found = dmd2(ratio=1, gan_generator_weight=weight, gan_critic_weight=1e-2), {}
+
+        def noised(x, eps, sigma):
+            if x.requires_grad and "x0" not in found:
+                found["x0"] = x
+            return real_noised(x, eps, sigma)
+
+        def gan_generator_loss(logits):
+            loss = real_gan(logits)
+            found["gan"] = torch.autograd.grad(weight * loss.mean(), found["x0"], retain_graph=True)[0].norm()
+            return loss
+
+        def dmd_generator_loss(x0, *args):
+            per_sample, metrics = real_dmd(x0, *args)
+            found["dmd"] = torch.autograd.grad(per_sample.mean(), x0, retain_graph=True)[0].norm()
+            return per_sample, metrics
+
+        monkeypatch.setattr(dmd2_module, "noised", noised)
+        monkeypatch.setattr(dmd2_module, "gan_generator_loss", gan_generator_loss)
+        monkeypatch.setattr(dmd2_module, "dmd_generator_loss", dmd_generator_loss)
+        quick_trainer(max_steps=1).fit(module, prompts())
+        return float(module.trainer.callback_metrics["train/gan_to_dmd_grad/transformer"]), \
+            float(found["gan"] / found["dmd"])
+
+    small, large = logged(3e-3), logged(3e-1)
+    for value, measured in (small, large):
+        assert value > 0 and abs(value - measured) <= 1e-4 * measured, (value, measured)
+    assert abs(large[0] / small[0] - 100) < 1e-2
+    module = dmd2(ratio=1)
+    quick_trainer(max_steps=1).fit(module, prompts())
+    assert "train/loss/transformer" in module.trainer.callback_metrics
+    assert "train/gan_to_dmd_grad/transformer" not in module.trainer.callback_metrics
+
+
 def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path):
     """With the GAN term the head is part of the critic: the iteration-4 checkpoint holds its weights, and resuming
     it to iteration 8 ends bit for bit where the uninterrupted run ends — head, critic, student and both optimizers
