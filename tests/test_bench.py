@@ -440,3 +440,11 @@ def test_gpu_bench_samplers_follow_the_config_they_read(tmp_path):
     student, teacher = gpu.dmd2_samplers(str(path))
     assert (teacher.num_steps, teacher.guidance_scale, teacher.scheduler.config.shift) == (7, 2.5, 5.0)
     assert student.scheduler.config.shift == 2.0 and student.scheduler.config.stochastic_sampling
+
+
+def test_gan_pull_bench_follows_the_weight():
+    """``bench/gan_pull.py``: a row per GAN weight from the fits' logged ``train/gan_to_dmd_grad``; the first
+    student iteration of both fits is the same forward, so the ratio follows the weight (×100 for 100 times it)."""
+    out = run_bench("bench/gan_pull.py", "--steps", "1", "--weights", "3e-3", "3e-1")
+    rows = [line for line in out.splitlines() if line.startswith("| 0.")]
+    assert len(rows) == 2 and "×1.0 (weight ×1)" in rows[0] and "×100.0 (weight ×100)" in rows[1], out
