@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC = "train/gan_to_dmd_grad/transformer"
 
 
-def fit(config: str, root: str, steps: int, students: int, weight: float, ratio: int, extra: list[str]) -> list[float]:
-    """One ``posttrain fit`` of ``config`` at GAN generator weight ``weight``; the ratios logged on the student's
-    iterations (every ``ratio``-th), in order."""
+def fit(config: str, root: str, steps: int, students: int, weight: float, extra: list[str]) -> list[float]:
+    """One ``posttrain fit`` of ``config`` at GAN generator weight ``weight``; the ratio of each student step, in
+    order."""
     command = ["posttrain", "fit", "--config", config,
                "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
                "--trainer.default_root_dir", root, "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
@@ -36,9 +36,9 @@ def fit(config: str, root: str, steps: int, students: int, weight: float, ratio:
     if done.returncode != 0:
         raise SystemExit(f"posttrain fit failed (weight {weight}):\n{done.stderr[-3000:]}")
     path = os.path.join(root, "lightning_logs", "version_0", "metrics.csv")
-    with open(path) as f:  # a row per iteration; the student's iterations are 0, N, 2N, … (the rows between
-        # repeat its last value)
-        return [float(row[METRIC]) for row in csv.DictReader(f) if row.get(METRIC) and int(row["step"]) % ratio == 0]
+    with open(path) as f:  # a row per logging step; the rows after a student's iteration repeat its value
+        logged = [float(row[METRIC]) for row in csv.DictReader(f) if row.get(METRIC)]
+    return [v for i, v in enumerate(logged) if i == 0 or v != logged[i - 1]]
 
 
 def main() -> None:
@@ -50,21 +50,20 @@ def main() -> None:
     parser.add_argument("--students", type=int, default=2, help="the student's steps")
     args, extra = parser.parse_known_args()  # the rest goes to the CLI, e.g. --model.init_args.gan_blocks [0,1]
     with open(args.config) as f:
-        model = yaml.safe_load(f)["model"]["init_args"]
-    base, ratio = float(model["gan_generator_weight"]), int(model.get("generator_update_ratio", 5))
+        base = float(yaml.safe_load(f)["model"]["init_args"]["gan_generator_weight"])
     weights = args.weights or [base, 100 * base]
     print(f"{args.config}, {args.students}-step student, {args.steps} iterations; {METRIC}: median per quarter")
-    print("| GAN generator weight | 1st quarter | 2nd | 3rd | 4th | against the config's weight |")
-    print("|---|---|---|---|---|---|")
+    print("| GAN generator weight | student steps | 1st quarter | 2nd | 3rd | 4th | against the config's weight |")
+    print("|---|---|---|---|---|---|---|")
     first = None
     for weight in weights:
         with tempfile.TemporaryDirectory() as root:
-            values = fit(args.config, root, args.steps, args.students, weight, ratio, extra)
+            values = fit(args.config, root, args.steps, args.students, weight, extra)
         bounds = [i * len(values) // 4 for i in range(5)]
         quarters = [f"{statistics.median(values[a:b]):.4f}" if b > a else "—" for a, b in zip(bounds, bounds[1:])]
         first = first or (weight, statistics.median(values))
         ratio = statistics.median(values) / first[1]
-        print(f"| {weight:g} | " + " | ".join(quarters) + f" | ×{ratio:.1f} (weight ×"
+        print(f"| {weight:g} | {len(values)} | " + " | ".join(quarters) + f" | ×{ratio:.1f} (weight ×"
               f"{weight / first[0]:g}) |", flush=True)
 
 

@@ -13,8 +13,9 @@ two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 
 on the critic's last-block features (``modules/gan.py``) learns teacher samples (real) from the student's (fake),
 both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
 critic and head (``gan_generator_weight``); ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's
-(their gradient norms there, weights included: whether the GAN term does anything at the weights given). With ``regression_weight`` > 0, the first DMD's regression loss: the
-student's first step maps a teacher pair's noise to the teacher's sample from it. Math: METHODS.md (dmd2),
+(their gradient norms there, weights included: whether the GAN term does anything at the weights given). With
+``regression_weight`` > 0, the first DMD's regression loss: the student's first step maps a teacher pair's noise to
+the teacher's sample from it. Math: METHODS.md (dmd2),
 ``modules/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
@@ -239,9 +240,9 @@ class DMD2(ExpertModule):
                                                            guidance_rescale=self.real_guidance_rescale)
             critic_model = self.card.models[self.critic]
             frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
-            features = block_features(critic_model, self.gan_blocks) if self.gan else contextlib.nullcontext()
+            reading = block_features(critic_model, self.gan_blocks) if self.gan else contextlib.nullcontext()
             with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
-                    features as features:
+                    reading as features:
                 v_fake = critic(x_t, t, cond).float()
                 gan_loss = gan_generator_loss(self.gan_head(features())) if self.gan else torch.zeros(len(prompts))
             x_t = x_t.detach()

@@ -13,9 +13,9 @@ each see the whole clip, motion included). With several blocks (``blocks``), eac
 blocks are concatenated, ``(B, N, k·D)``, before the head reads them: a discriminator on several depths of the
 critic, as LADD's (Sauer et al. 2024) heads read several layers of theirs.
 
-The head is a submodule of the critic (``attach_head``), so it steps
-with the critic's optimizer, lives in the critic's checkpoint entry and resumes with it, as in the reference
-(``cls_pred_branch`` belongs to the guidance model and its optimizer).
+The head is a submodule of the critic (``attach_head``), so it steps with the critic's optimizer, lives in the
+critic's checkpoint entry and resumes with it, as in the reference (``cls_pred_branch`` belongs to the guidance model
+and its optimizer).
 """
 from __future__ import annotations
 
