@@ -1,10 +1,12 @@
 """How hard DMD2's GAN term pulls on the student's sample against DMD's, over a fit: ``train/gan_to_dmd_grad``
 (the two terms' gradient norms at x̂0, weights included, read off the student's own backward; ``lit/dmd2.py``),
 logged every iteration the student steps by ``posttrain fit`` with a CSV logger, summarised as its median per
-quarter of the fit for each GAN weight asked. The baseline is the config's own weight, run in the same call.
+quarter of the fit for each GAN weight asked, beside how well the head tells the teacher's samples from the
+student's by the end (its mean probability on each). The baseline is the config's own weight, run in the same call.
 
     python bench/gan_pull.py                                  # configs/dmd2.yaml at its weight and 100× it
     python bench/gan_pull.py --weights 3e-3 3e-2 3e-1 --steps 400 --students 1
+    python bench/gan_pull.py --weights 3e-3 --steps 2400 --model.init_args.gan_critic_weight 1.0  # head loss ×100
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC = "train/gan_to_dmd_grad/transformer"
+HEAD = ("train/gan_real_prob/critic", "train/gan_fake_prob/critic")  # the head's mean sigmoid on each, per iteration
 
 
-def fit(config: str, root: str, steps: int, students: int, weight: float, extra: list[str]) -> list[float]:
-    """One ``posttrain fit`` of ``config`` at GAN generator weight ``weight``; the ratio of each student step, in
-    order."""
+def fit(config: str, root: str, steps: int, students: int, weight: float, extra: list[str]
+        ) -> tuple[list[float], list[float], list[float]]:
+    """One ``posttrain fit`` of ``config`` at GAN generator weight ``weight``: the ratio of each student step, and
+    the head's mean probability on the teacher's (real) and the student's (fake) samples of each iteration."""
     command = ["posttrain", "fit", "--config", config,
                "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
                "--trainer.default_root_dir", root, "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
@@ -37,8 +41,14 @@ def fit(config: str, root: str, steps: int, students: int, weight: float, extra:
         raise SystemExit(f"posttrain fit failed (weight {weight}):\n{done.stderr[-3000:]}")
     path = os.path.join(root, "lightning_logs", "version_0", "metrics.csv")
     with open(path) as f:  # a row per logging step; the rows after a student's iteration repeat its value
-        logged = [float(row[METRIC]) for row in csv.DictReader(f) if row.get(METRIC)]
-    return [v for i, v in enumerate(logged) if i == 0 or v != logged[i - 1]]
+        rows = list(csv.DictReader(f))
+    logged = [float(row[METRIC]) for row in rows if row.get(METRIC)]
+    real, fake = ([float(row[key]) for row in rows if row.get(key)] for key in HEAD)
+    return [v for i, v in enumerate(logged) if i == 0 or v != logged[i - 1]], real, fake
+
+
+def last_quarter(values: list[float]) -> float:
+    return statistics.median(values[3 * len(values) // 4:] or values)
 
 
 def main() -> None:
@@ -53,18 +63,19 @@ def main() -> None:
         base = float(yaml.safe_load(f)["model"]["init_args"]["gan_generator_weight"])
     weights = args.weights or [base, 100 * base]
     print(f"{args.config}, {args.students}-step student, {args.steps} iterations; {METRIC}: median per quarter")
-    print("| GAN generator weight | student steps | 1st quarter | 2nd | 3rd | 4th | against the config's weight |")
-    print("|---|---|---|---|---|---|---|")
+    print("| GAN generator weight | student steps | 1st quarter | 2nd | 3rd | 4th | against the config's weight "
+          "| head's real / fake probability, last quarter |")
+    print("|---|---|---|---|---|---|---|---|")
     first = None
     for weight in weights:
         with tempfile.TemporaryDirectory() as root:
-            values = fit(args.config, root, args.steps, args.students, weight, extra)
+            values, real, fake = fit(args.config, root, args.steps, args.students, weight, extra)
         bounds = [i * len(values) // 4 for i in range(5)]
         quarters = [f"{statistics.median(values[a:b]):.4f}" if b > a else "—" for a, b in zip(bounds, bounds[1:])]
         first = first or (weight, statistics.median(values))
         ratio = statistics.median(values) / first[1]
         print(f"| {weight:g} | {len(values)} | " + " | ".join(quarters) + f" | ×{ratio:.1f} (weight ×"
-              f"{weight / first[0]:g}) |", flush=True)
+              f"{weight / first[0]:g}) | {last_quarter(real):.3f} / {last_quarter(fake):.3f} |", flush=True)
 
 
 if __name__ == "__main__":
