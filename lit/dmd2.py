@@ -230,7 +230,7 @@ class DMD2(ExpertModule):
         if update_student:
             sigma = self.score_sigmas(len(prompts))
             eps = torch.randn(x0.shape, generator=self.generator).to(x0)
-            pull: dict[str, torch.Tensor] = {}  # each term's gradient norm at x̂0, filled by the backward
+            pull: dict[str, torch.Tensor] = {}  # with the GAN term: each term's gradient norm at x̂0, by the backward
             x_t = noised(tapped(x0, pull, "gan") if self.gan else x0.detach(), eps, sigma)
             t = self.sampler.timestep_of(sigma)
             with torch.no_grad():
@@ -246,7 +246,8 @@ class DMD2(ExpertModule):
                 v_fake = critic(x_t, t, cond).float()
                 gan_loss = gan_generator_loss(self.gan_head(features())) if self.gan else torch.zeros(len(prompts))
             x_t = x_t.detach()
-            per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd"), x0_from_velocity(x_t, v_real, sigma),
+            per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd") if self.gan else x0,
+                                                     x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
             loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
             warm = self.regression_until is None or self.global_step < self.regression_until
