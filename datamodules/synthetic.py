@@ -181,6 +181,12 @@ class SyntheticVideos(ResumableDataModule):
     def train_dataset(self) -> Dataset:
         return self.dataset(self.num_samples)
 
+    def prompt_list(self) -> list[str]:
+        """The training clips' captions, in index order (``Prompts``' synthetic captions of the same seed and
+        filters: a prompt-only method on ``Prompts`` and one on these clips train on the same captions)."""
+        dataset = self.dataset(self.num_samples)
+        return [caption(*dataset.facts(i)) for i in range(self.num_samples)]
+
     def val_dataloader(self) -> Optional[DataLoader]:
         dataset = self.dataset(self.num_samples + self.val_samples)
         subset = torch.utils.data.Subset(dataset, range(self.num_samples, self.num_samples + self.val_samples))

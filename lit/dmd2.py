@@ -10,8 +10,8 @@ distribution by flow matching on its detached samples. The student moves along `
 normalized per sample. The critic steps every iteration; the student only on every
 ``generator_update_ratio``-th, and on the others its loss is not computed at all (this is DMD2's
 two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
-on the critic's last-block features (``modules/gan.py``) learns teacher samples (real) from the student's (fake),
-both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
+on the critic's last-block features (``modules/gan.py``) learns teacher samples (real; ``gan_reals: data``: the
+batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
 critic and head (``gan_generator_weight``); ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's
 (their gradient norms there, weights included: whether the GAN term does anything at the weights given). With
 ``regression_weight`` > 0, the first DMD's regression loss: the student's first step maps a teacher pair's noise to
@@ -79,6 +79,10 @@ class DMD2(ExpertModule):
             student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
         gan_blocks: the critic's blocks whose output features the head reads, concatenated per token (-1 = the
             last, DMD2's bottleneck; several = a discriminator on several depths, as LADD's heads).
+        gan_reals: what the head learns as real: ``teacher`` (one teacher sample per training prompt,
+            ``teacher_samples``) or ``data`` (the batch's own clips, encoded by the VAE, or its latents: DMD2's real
+            images, which let the student move past its teacher; needs captioned videos as data, e.g.
+            ``SyntheticVideos`` or ``VideoFolder``).
         regression_weight: weight of DMD's regression loss (Yin et al. 2023, the first DMD): the student's first
             step from a teacher pair's noise regresses onto the teacher's sample from that noise (latent MSE), added
             to the student's loss; 0 = off (DMD2's choice at ImageNet scale). A chunked student regresses each
@@ -110,7 +114,8 @@ class DMD2(ExpertModule):
                  backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0,
-                 gan_blocks: tuple[int, ...] = (-1,), regression_weight: float = 0.0,
+                 gan_blocks: tuple[int, ...] = (-1,), gan_reals: Literal["teacher", "data"] = "teacher",
+                 regression_weight: float = 0.0,
                  regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
                  regression_until: Optional[int] = None,
                  ema_decay: Optional[float] = None,
@@ -156,6 +161,12 @@ class DMD2(ExpertModule):
         if tuple(gan_blocks) != (-1,) and gan_critic_weight == 0:
             problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
                             f"gan_critic_weight=0 has no GAN term: set gan_critic_weight > 0 or drop gan_blocks")
+        if gan_reals not in ("teacher", "data"):
+            problems.append(f"gan_reals={gan_reals!r} must be 'teacher' (teacher samples of the prompts) or 'data' "
+                            f"(the batch's clips, DMD2's real images)")
+        elif gan_reals != "teacher" and gan_critic_weight == 0:
+            problems.append(f"gan_reals={gan_reals!r} chooses the GAN head's real samples, but gan_critic_weight=0 "
+                            f"has no GAN term: set gan_critic_weight > 0 or drop gan_reals")
         if regression_weight < 0 or regression_pairs < 1:
             problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
                             f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
@@ -183,7 +194,7 @@ class DMD2(ExpertModule):
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
-        self.gan_blocks = tuple(gan_blocks)
+        self.gan_blocks, self.gan_reals = tuple(gan_blocks), gan_reals
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
         self.regression_steps, self.regression_until = regression_steps, regression_until
         self.ema_decay = ema_decay
@@ -209,6 +220,8 @@ class DMD2(ExpertModule):
         # 1. conditioning; the empty prompt's for the teacher's CFG
         cond = self.stage.condition(prompts, self.device)
         uncond = self.stage.condition([""] * len(prompts), self.device)
+        # the GAN head's real samples when they are the data's (first: data without clips fails before any step)
+        data_reals = self.data_reals(batch) if self.gan and self.gan_reals == "data" else None
 
         # 2. the student's few-step sample x̂0, stopped at a random exit step k (the same on every process); only
         #    step k has grad, and only when the student updates. Step k's input: with backward simulation the
@@ -285,7 +298,7 @@ class DMD2(ExpertModule):
         critic_loss = flow_matching_loss(v, sample, eps)[0].mean()
         losses = [lambda: critic_loss]
         if self.gan:
-            real = self.teacher_samples(prompts)
+            real = self.teacher_samples(prompts) if data_reals is None else data_reals
             sigma = self.score_sigmas(2 * len(prompts))
             eps = torch.randn((2 * len(prompts), *sample.shape[1:]), generator=self.generator).to(sample)
 
@@ -358,6 +371,25 @@ class DMD2(ExpertModule):
         return self.teacher_pairs(prompts, [0] * len(prompts))[1]
 
     @torch.no_grad()
+    @torch.no_grad()
+    def data_reals(self, batch: dict) -> torch.Tensor:
+        """(B, C, F, h, w) the batch's clean latents (``gan_reals: data``): its precomputed ones, or the VAE's of its
+        videos, which must have the run's size."""
+        if "latents" in batch:
+            real = batch["latents"].float().to(self.device)
+        elif "video" in batch:
+            real = self.stage.encode(batch["video"].to(self.device))
+        else:
+            raise ValueError("gan_reals: data reads the batch's clips as the GAN head's real samples, but the data gives "
+                             "prompts only: use captioned videos as data (SyntheticVideos, VideoFolder) or set "
+                             "gan_reals: teacher")
+        expected = (real.shape[0], *self.stage.latent_shape(self.video))
+        if tuple(real.shape) != expected:
+            raise ValueError(f"gan_reals: data: the batch's clips encode to latents {tuple(real.shape)}, the student's "
+                             f"samples are {expected}: give the data the run's frames, height and width "
+                             f"(model.init_args.run)")
+        return real
+
     def teacher_pairs(self, prompts: list[str], pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(noise, sample), each (B, C, F, h, w): pair ``pairs[i]`` of prompt ``prompts[i]``, the teacher's sample
         (its sampler: many steps, CFG) from that noise. Drawn once, one at a time, from noise seeded by the prompt's

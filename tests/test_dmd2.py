@@ -19,6 +19,7 @@ import posttrain.lit.dmd2 as dmd2_module
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.modules import checkpoints
 from posttrain.datamodules.prompts import Prompts
+from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
@@ -466,6 +467,45 @@ def test_a_head_on_several_blocks_reads_each_of_them():
         dmd2(gan_blocks=(7,), **GAN).configure_model()
 
 
+def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
+    """``gan_reals: data``: the head's real samples are the batch's own clips encoded by the VAE (DMD2's real
+    images), the fake ones the student's, and no teacher sample is drawn for them; data without clips is refused by
+    name at the first batch, before anything trains."""
+    module = dmd2(ratio=2, gan_reals="data", **GAN)
+    clips, heads = [], []
+    real_step = module.training_step
+
+    def training_step(batch, batch_idx):
+        clips.append(module.stage.encode(batch["video"]))
+        return real_step(batch, batch_idx)
+
+    real_noised = dmd2_module.noised
+
+    def noised(x, eps, sigma):
+        if x.shape[0] == 4:  # the head's batch: two reals, then two fakes
+            heads.append(x.detach().clone())
+        return real_noised(x, eps, sigma)
+
+    def no_teacher_samples(prompts):
+        raise AssertionError("gan_reals: data drew teacher samples")
+
+    module.training_step = training_step
+    module.teacher_samples = no_teacher_samples
+    monkeypatch.setattr(dmd2_module, "noised", noised)
+    data = SyntheticVideos(num_samples=8, frames=SIZE.frames, height=SIZE.height, width=SIZE.width, batch_size=2)
+    quick_trainer(max_steps=3).fit(module, data)
+    assert len(heads) == len(clips) == 3
+    for clip, head in zip(clips, heads):
+        assert torch.allclose(head[:2], clip, atol=1e-6)  # the reals: this batch's clips
+        assert not torch.allclose(head[2:], clip, atol=1e-2)  # the fakes: the student's
+    refused = dmd2(ratio=2, gan_reals="data", **GAN)
+    refused.configure_model()
+    before = weights(refused, "transformer")
+    with pytest.raises(ValueError, match=r"gan_reals: data reads the batch's clips .* the data gives prompts only"):
+        quick_trainer(max_steps=1).fit(refused, prompts())
+    assert differs(before, weights(refused, "transformer")) == 0
+
+
 def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
     """``train/gan_to_dmd_grad``: the GAN term's gradient norm at the student's x̂0 (weight included) over DMD's,
     read off the student's own backward. Checked against both gradients taken apart with autograd on the same
@@ -730,6 +770,10 @@ def test_bad_settings_name_the_option():
         dmd2(gan_generator_weight=-1.0)
     with pytest.raises(ValueError, match=r"gan_blocks=\[0, -1\] chooses the critic's blocks .* gan_critic_weight=0"):
         dmd2(gan_blocks=(0, -1))
+    with pytest.raises(ValueError, match=r"gan_reals='images' must be 'teacher' .* or 'data'"):
+        dmd2(gan_reals="images", **GAN)
+    with pytest.raises(ValueError, match=r"gan_reals='data' chooses the GAN head's real samples, but gan_critic_weight=0"):
+        dmd2(gan_reals="data")
     with pytest.raises(ValueError, match=r"backward_simulation=False .* sampler.chunk_frames=1"):
         DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1), backward_simulation=False,
              run=SIZE)
