@@ -11,12 +11,12 @@ normalized per sample. The critic steps every iteration; the student only on eve
 ``generator_update_ratio``-th, and on the others its loss is not computed at all (this is DMD2's
 two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
 on the critic's last-block features (``modules/gan.py``) learns teacher samples (real; ``gan_reals: data``: the
-batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the student adds the non-saturating loss of its x̂0 through the frozen
-critic and head (``gan_generator_weight``); ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's
-(their gradient norms there, weights included: whether the GAN term does anything at the weights given). With
-``regression_weight`` > 0, the first DMD's regression loss: the student's first step maps a teacher pair's noise to
-the teacher's sample from it. Math: METHODS.md (dmd2),
-``modules/losses.py``.
+batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the
+student adds the non-saturating loss of its x̂0 through the frozen critic and head (``gan_generator_weight``);
+``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's (their gradient norms there, weights included:
+whether the GAN term does anything at the weights given). With ``regression_weight`` > 0, the first DMD's
+regression loss: the student's first step maps a teacher pair's noise to the teacher's sample from it. Math:
+METHODS.md (dmd2), ``modules/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
 Diffusion", reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; METHODS.md
@@ -371,7 +371,6 @@ class DMD2(ExpertModule):
         return self.teacher_pairs(prompts, [0] * len(prompts))[1]
 
     @torch.no_grad()
-    @torch.no_grad()
     def data_reals(self, batch: dict) -> torch.Tensor:
         """(B, C, F, h, w) the batch's clean latents (``gan_reals: data``): its precomputed ones, or the VAE's of its
         videos, which must have the run's size."""
@@ -380,8 +379,8 @@ class DMD2(ExpertModule):
         elif "video" in batch:
             real = self.stage.encode(batch["video"].to(self.device))
         else:
-            raise ValueError("gan_reals: data reads the batch's clips as the GAN head's real samples, but the data gives "
-                             "prompts only: use captioned videos as data (SyntheticVideos, VideoFolder) or set "
+            raise ValueError("gan_reals: data reads the batch's clips as the GAN head's real samples, but the data "
+                             "gives prompts only: use captioned videos as data (SyntheticVideos, VideoFolder) or set "
                              "gan_reals: teacher")
         expected = (real.shape[0], *self.stage.latent_shape(self.video))
         if tuple(real.shape) != expected:
@@ -390,6 +389,7 @@ class DMD2(ExpertModule):
                              f"(model.init_args.run)")
         return real
 
+    @torch.no_grad()
     def teacher_pairs(self, prompts: list[str], pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(noise, sample), each (B, C, F, h, w): pair ``pairs[i]`` of prompt ``prompts[i]``, the teacher's sample
         (its sampler: many steps, CFG) from that noise. Drawn once, one at a time, from noise seeded by the prompt's

@@ -498,6 +498,9 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
     for clip, head in zip(clips, heads):
         assert torch.allclose(head[:2], clip, atol=1e-6)  # the reals: this batch's clips
         assert not torch.allclose(head[2:], clip, atol=1e-2)  # the fakes: the student's
+    wrong = SyntheticVideos(num_samples=4, frames=SIZE.frames, height=2 * SIZE.height, width=SIZE.width, batch_size=2)
+    with pytest.raises(ValueError, match=r"the batch's clips encode to latents \(2, 16, 2, 4, 2\), the student's"):
+        quick_trainer(max_steps=1).fit(dmd2(ratio=2, gan_reals="data", **GAN), wrong)
     refused = dmd2(ratio=2, gan_reals="data", **GAN)
     refused.configure_model()
     before = weights(refused, "transformer")
@@ -772,7 +775,7 @@ def test_bad_settings_name_the_option():
         dmd2(gan_blocks=(0, -1))
     with pytest.raises(ValueError, match=r"gan_reals='images' must be 'teacher' .* or 'data'"):
         dmd2(gan_reals="images", **GAN)
-    with pytest.raises(ValueError, match=r"gan_reals='data' chooses the GAN head's real samples, but gan_critic_weight=0"):
+    with pytest.raises(ValueError, match=r"gan_reals='data' chooses the GAN head's real samples, but gan_critic"):
         dmd2(gan_reals="data")
     with pytest.raises(ValueError, match=r"backward_simulation=False .* sampler.chunk_frames=1"):
         DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1), backward_simulation=False,
