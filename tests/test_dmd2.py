@@ -499,7 +499,7 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
         assert torch.allclose(head[:2], clip, atol=1e-6)  # the reals: this batch's clips
         assert not torch.allclose(head[2:], clip, atol=1e-2)  # the fakes: the student's
     wrong = SyntheticVideos(num_samples=4, frames=SIZE.frames, height=2 * SIZE.height, width=SIZE.width, batch_size=2)
-    with pytest.raises(ValueError, match=r"the batch's clips encode to latents \(2, 16, 2, 4, 2\), the student's"):
+    with pytest.raises(ValueError, match=r"the batch's clips encode to latents \(2, 16, 2, 8, 4\), the student's"):
         quick_trainer(max_steps=1).fit(dmd2(ratio=2, gan_reals="data", **GAN), wrong)
     refused = dmd2(ratio=2, gan_reals="data", **GAN)
     refused.configure_model()
