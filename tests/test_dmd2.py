@@ -469,8 +469,8 @@ def test_a_head_on_several_blocks_reads_each_of_them():
 
 def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
     """``gan_reals: data``: the head's real samples are the batch's own clips encoded by the VAE (DMD2's real
-    images), the fake ones the student's, and no teacher sample is drawn for them; data without clips is refused by
-    name at the first batch, before anything trains."""
+    images), the fake ones the student's, and no teacher sample is drawn for them; clips of another size than the
+    run's, and data without clips, are refused by name at the first batch, before anything trains."""
     module = dmd2(ratio=2, gan_reals="data", **GAN)
     clips, heads = [], []
     real_step = module.training_step
