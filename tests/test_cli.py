@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import io
 import os
 import re
 import subprocess
@@ -50,6 +51,20 @@ def test_errors_are_one_short_message(capsys, args, expected):
     assert err.startswith("posttrain fit: error: ") and expected in err, err
     assert "Traceback" not in err and "Union subtypes" not in err and "Given value" not in err
     assert len(err.splitlines()) <= 8, err
+
+
+def test_on_a_terminal_the_error_starts_its_own_line(monkeypatch):
+    """A progress bar holds the terminal's last line (no newline after it), so on a terminal the message starts a
+    fresh line; piped, it is the first thing written, as above."""
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", FINETUNE, "--trainr.max_steps=3"])
+    assert terminal.getvalue().startswith("\nposttrain fit: error: "), terminal.getvalue()
 
 
 def test_yaml_syntax_error_names_the_file_and_line(capsys, tmp_path):

@@ -234,6 +234,8 @@ def main(args: Optional[list[str]] = None) -> None:
             raise
         text = _yaml_location(err, argv) or condense(str(err)) or type(err).__name__
         children = _stand_down_child_observer()
+        if sys.stderr.isatty():  # a progress bar may hold the line (it ends without a newline): start a fresh one
+            sys.stderr.write("\n")
         sys.stderr.write(f"posttrain {command}: error: {text}\n"
                          f"(POSTTRAIN_DEBUG=1 shows the traceback)\n")
         _await(children, timeout=60.0)
