@@ -386,8 +386,7 @@ def held_out_prompts(cli, n: int, beyond: int = 0) -> list[str]:
         more = copy.copy(cli.datamodule)
         more.num_synthetic = beyond
         train += more.prompt_list()
-    data = ShapesDataset(n, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE, exclude_captions=sorted(set(train)))
-    return [data[i]["prompt"] for i in range(n)]
+    return ShapesDataset(n, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE, exclude_captions=sorted(set(train))).captions()
 
 
 def shares(module, prompts: list[str], sampler, blocks: int) -> tuple[float, float]:

@@ -93,8 +93,8 @@ class Prompts(ResumableDataModule):
             return read_prompts(self.path)
         if self.inline is not None:
             return [p.strip() for p in self.inline if p.strip()]
-        shapes = ShapesDataset(self.num_synthetic, 1, 8, 8, self.seed, exclude=self.exclude, include=self.include)
-        return [shapes[i]["prompt"] for i in range(self.num_synthetic)]
+        return ShapesDataset(self.num_synthetic, 1, 8, 8, self.seed, exclude=self.exclude,
+                             include=self.include).captions()
 
     def train_dataset(self) -> Dataset:
         return PromptDataset(self.prompt_list())

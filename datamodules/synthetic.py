@@ -135,6 +135,10 @@ class ShapesDataset(Dataset):
         raise ValueError(f"no sample passes exclude={self.exclude} include={self.include}{mixing} and "
                          f"{len(self.exclude_captions)} excluded captions; loosen them")
 
+    def captions(self) -> list[str]:
+        """Every sample's caption, in index order, without rendering its clip."""
+        return [caption(*self.facts(i)) for i in range(self.num_samples)]
+
     def __getitem__(self, index: int) -> dict:
         shape, colour, motion, background = self.facts(index)
         g = torch.Generator().manual_seed(self.seed * 7_919 + index)
@@ -184,8 +188,7 @@ class SyntheticVideos(ResumableDataModule):
     def prompt_list(self) -> list[str]:
         """The training clips' captions, in index order (``Prompts``' synthetic captions of the same seed and
         filters: a prompt-only method on ``Prompts`` and one on these clips train on the same captions)."""
-        dataset = self.dataset(self.num_samples)
-        return [caption(*dataset.facts(i)) for i in range(self.num_samples)]
+        return self.dataset(self.num_samples).captions()
 
     def val_dataloader(self) -> Optional[DataLoader]:
         dataset = self.dataset(self.num_samples + self.val_samples)

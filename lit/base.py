@@ -372,6 +372,17 @@ class ExpertModule(ExactResume, DeferredLogging):
                          f"frame, but the batch holds only {sorted(batch)}: use a datamodule whose batches carry "
                          f"`image` or `video` (SyntheticVideos, VideoFolder), or a workflow with an image stage")
 
+    def batch_latents(self, batch: dict, reader: str, alternative: str = "") -> torch.Tensor:
+        """(B, C, F', h, w) the batch's clean latents: its precomputed ``latents``, or the VAE's of its ``video``
+        (the posterior mean). ``reader`` says who reads them and ``alternative`` a way round, for the error a batch
+        of prompts alone gets."""
+        if "latents" in batch:
+            return batch["latents"].float()
+        if "video" in batch:
+            return self.stage.encode(batch["video"])
+        raise ValueError(f"{reader}, but the data gives prompts only: use captioned videos as data (SyntheticVideos, "
+                         f"VideoFolder, PrecomputedVideos){alternative}")
+
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False,
                  images: Optional[torch.Tensor] = None) -> torch.Tensor:

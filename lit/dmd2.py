@@ -374,14 +374,8 @@ class DMD2(ExpertModule):
     def data_reals(self, batch: dict) -> torch.Tensor:
         """(B, C, F, h, w) the batch's clean latents (``gan_reals: data``): its precomputed ones, or the VAE's of its
         videos, which must have the run's size."""
-        if "latents" in batch:
-            real = batch["latents"].float().to(self.device)
-        elif "video" in batch:
-            real = self.stage.encode(batch["video"].to(self.device))
-        else:
-            raise ValueError("gan_reals: data reads the batch's clips as the GAN head's real samples, but the data "
-                             "gives prompts only: use captioned videos as data (SyntheticVideos, VideoFolder) or set "
-                             "gan_reals: teacher")
+        real = self.batch_latents(batch, "gan_reals: data reads the batch's clips as the GAN head's real samples",
+                                  " or set gan_reals: teacher")
         expected = (real.shape[0], *self.stage.latent_shape(self.video))
         if tuple(real.shape) != expected:
             raise ValueError(f"gan_reals: data: the batch's clips encode to latents {tuple(real.shape)}, the student's "

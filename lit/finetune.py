@@ -100,10 +100,8 @@ class Finetune(ExpertModule):
         self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0])
 
     def latents(self, batch: dict) -> torch.Tensor:
-        """(B, C, F', h, w) clean latents: the datamodule's, or the VAE's of the batch's videos."""
-        if "latents" in batch:
-            return batch["latents"].float()
-        return self.stage.encode(batch["video"])
+        """(B, C, F', h, w) the clean latents it trains on: the datamodule's, or the VAE's of the batch's videos."""
+        return self.batch_latents(batch, "finetune trains on the batch's clips")
 
     def size_of(self, batch: dict):
         """The pixel size of the batch's videos (what an image-to-video conditioning is built for)."""

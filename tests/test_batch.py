@@ -8,7 +8,7 @@ import torch
 
 from posttrain.callbacks.progress import IterationProgressBar
 from posttrain.datamodules.prompts import Prompts
-from posttrain.datamodules.synthetic import SyntheticVideos
+from posttrain.datamodules.synthetic import ShapesDataset, SyntheticVideos
 from posttrain.modules import batch as batch_schema
 
 
@@ -60,3 +60,16 @@ def test_progress_bar_shows_each_experts_loss_the_reward_and_learning_rates():
     shown = IterationProgressBar().get_metrics(SimpleNamespace(callback_metrics=metrics), None)
     assert shown == {"loss/transformer": "0.5", "loss/refiner_0": "2", "lr/transformer": "1.00e-04",
                      "reward": "0.25", "val/reward": "0.5"}
+
+
+def test_captions_without_clips_are_the_clips_captions():
+    """``ShapesDataset.captions`` (what ``Prompts`` and ``SyntheticVideos.prompt_list`` read) equals the captions of
+    the rendered samples, filters and concept mixing included; a method on prompts and one on the clips of the same
+    seed train on the same captions."""
+    for kwargs in [dict(seed=0), dict(seed=5, exclude=["magenta"]), dict(seed=1, concept=["magenta"],
+                                                                       concept_fraction=0.5)]:
+        shapes = ShapesDataset(40, 1, 8, 8, **kwargs)
+        assert shapes.captions() == [shapes[i]["prompt"] for i in range(40)]
+    clips = SyntheticVideos(num_samples=24, seed=3)
+    assert clips.prompt_list() == Prompts(num_synthetic=24, seed=3).prompt_list()
+    assert clips.prompt_list() == [clips.train_dataset()[i]["prompt"] for i in range(24)]
