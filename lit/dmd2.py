@@ -12,7 +12,8 @@ normalized per sample. The critic steps every iteration; the student only on eve
 two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
 on the critic's last-block features (``modules/gan.py``) learns teacher samples (real; ``gan_reals: data``: the
 batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the
-student adds the non-saturating loss of its x̂0 through the frozen critic and head (``gan_generator_weight``);
+student adds the non-saturating loss of its x̂0 through the frozen critic and head (``gan_generator_weight``;
+``gan_space: pixels``: the head is a patch discriminator on the VAE-decoded clips instead);
 ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's (their gradient norms there, weights included:
 whether the GAN term does anything at the weights given). With ``regression_weight`` > 0, the first DMD's
 regression loss: the student's first step maps a teacher pair's noise to the teacher's sample from it. Math:
@@ -79,6 +80,9 @@ class DMD2(ExpertModule):
             student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
         gan_blocks: the critic's blocks whose output features the head reads, concatenated per token (-1 = the
             last, DMD2's bottleneck; several = a discriminator on several depths, as LADD's heads).
+        gan_space: where the head looks: ``critic`` (the critic's block features, DMD2's) or ``pixels`` (a 3-D
+            PatchGAN on the VAE-decoded clips, ``modules/gan.py``: reals decoded as the student's samples are, the
+            student's loss through the frozen decoder to its x̂0; no noise, spectral norm; ``gan_blocks`` unused).
         gan_reals: what the head learns as real: ``teacher`` (one teacher sample per training prompt,
             ``teacher_samples``) or ``data`` (the batch's own clips, encoded by the VAE, or its latents: DMD2's real
             images, which let the student move past its teacher; needs captioned videos as data, e.g.
@@ -115,6 +119,7 @@ class DMD2(ExpertModule):
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0,
                  gan_blocks: tuple[int, ...] = (-1,), gan_reals: Literal["teacher", "data"] = "teacher",
+                 gan_space: Literal["critic", "pixels"] = "critic",
                  regression_weight: float = 0.0,
                  regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
                  regression_until: Optional[int] = None,
@@ -161,6 +166,15 @@ class DMD2(ExpertModule):
         if tuple(gan_blocks) != (-1,) and gan_critic_weight == 0:
             problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
                             f"gan_critic_weight=0 has no GAN term: set gan_critic_weight > 0 or drop gan_blocks")
+        if gan_space not in ("critic", "pixels"):
+            problems.append(f"gan_space={gan_space!r} must be 'critic' (the head on the critic's features, DMD2's) "
+                            f"or 'pixels' (a patch discriminator on the decoded clips)")
+        elif gan_space != "critic" and gan_critic_weight == 0:
+            problems.append(f"gan_space={gan_space!r} chooses where the GAN head looks, but gan_critic_weight=0 has no "
+                            f"GAN term: set gan_critic_weight > 0 or drop gan_space")
+        elif gan_space == "pixels" and tuple(gan_blocks) != (-1,):
+            problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
+                            f"gan_space='pixels' reads the decoded clips: drop gan_blocks or set gan_space: critic")
         if gan_reals not in ("teacher", "data"):
             problems.append(f"gan_reals={gan_reals!r} must be 'teacher' (teacher samples of the prompts) or 'data' "
                             f"(the batch's clips, DMD2's real images)")
@@ -194,7 +208,7 @@ class DMD2(ExpertModule):
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
-        self.gan_blocks, self.gan_reals = tuple(gan_blocks), gan_reals
+        self.gan_blocks, self.gan_reals, self.gan_space = tuple(gan_blocks), gan_reals, gan_space
         self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
         self.regression_steps, self.regression_until = regression_steps, regression_until
         self.ema_decay = ema_decay
@@ -207,10 +221,15 @@ class DMD2(ExpertModule):
     def gan(self) -> bool:
         return self.gan_critic_weight > 0
 
+    @property
+    def critic_gan(self) -> bool:  # the GAN head reads the critic's features (the student's GAN loss through it)
+        return self.gan and self.gan_space == "critic"
+
     def setup_roles(self) -> None:
         super().setup_roles()
         if self.gan:  # the head is part of the critic: its optimizer, checkpoint entry and versions
-            attach_head(self.card.models[self.critic], seed=self.run.seed, blocks=self.gan_blocks)
+            attach_head(self.card.models[self.critic], seed=self.run.seed, blocks=self.gan_blocks,
+                        space=self.gan_space)
         self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -238,13 +257,14 @@ class DMD2(ExpertModule):
 
         # 3. student, every N-th iteration: DMD gradient (fake - real) / mean|x̂0 - real| at a random σ;
         #    teacher (its sampler's CFG) and critic run without grad, the loss reaches the student only. With the
-        #    GAN term the critic runs as a constant with grad to its input, and its head scores x̂0: softplus(-logit).
+        #    GAN term the critic runs as a constant with grad to its input, and its head scores x̂0: softplus(-logit)
+        #    (on pixels: the head scores x̂0 through the frozen decoder, and the critic runs without grad).
         #    With the regression term, the first step from a teacher pair's noise regresses onto its sample
         if update_student:
             sigma = self.score_sigmas(len(prompts))
             eps = torch.randn(x0.shape, generator=self.generator).to(x0)
             pull: dict[str, torch.Tensor] = {}  # with the GAN term: each term's gradient norm at x̂0, by the backward
-            x_t = noised(tapped(x0, pull, "gan") if self.gan else x0.detach(), eps, sigma)
+            x_t = noised(tapped(x0, pull, "gan") if self.critic_gan else x0.detach(), eps, sigma)
             t = self.sampler.timestep_of(sigma)
             with torch.no_grad():
                 with self.stage.velocity(self.teacher) as teacher:
@@ -252,12 +272,16 @@ class DMD2(ExpertModule):
                                                            guidance_scale=self.real_guidance(sigma),
                                                            guidance_rescale=self.real_guidance_rescale)
             critic_model = self.card.models[self.critic]
-            frozen_critic = frozen(critic_model) if self.gan else contextlib.nullcontext()
-            reading = block_features(critic_model, self.gan_blocks) if self.gan else contextlib.nullcontext()
-            with torch.set_grad_enabled(self.gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
+            frozen_critic = frozen(critic_model) if self.critic_gan else contextlib.nullcontext()
+            reading = block_features(critic_model, self.gan_blocks) if self.critic_gan else contextlib.nullcontext()
+            with torch.set_grad_enabled(self.critic_gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
                     reading as features:
                 v_fake = critic(x_t, t, cond).float()
-                gan_loss = gan_generator_loss(self.gan_head(features())) if self.gan else torch.zeros(len(prompts))
+                gan_loss = (gan_generator_loss(self.gan_head(features())) if self.critic_gan
+                            else torch.zeros(len(prompts)))
+            if self.gan and not self.critic_gan:  # on pixels: x̂0 decoded with grad, through the frozen head
+                with frozen(self.gan_head):
+                    gan_loss = gan_generator_loss(self.gan_head(self.stage.decode(tapped(x0, pull, "gan"))))
             x_t = x_t.detach()
             per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd") if self.gan else x0,
                                                      x0_from_velocity(x_t, v_real, sigma),
@@ -303,11 +327,16 @@ class DMD2(ExpertModule):
             eps = torch.randn((2 * len(prompts), *sample.shape[1:]), generator=self.generator).to(sample)
 
             def gan_critic_part() -> torch.Tensor:  # its own forward: the flow-matching graph never reaches the head
-                with self.stage.velocity(self.critic) as critic, \
-                        block_features(self.card.models[self.critic], self.gan_blocks) as features:
-                    critic(noised(torch.cat([real, sample]), eps, sigma), self.sampler.timestep_of(sigma),
-                           Conditioning.cat([cond, cond]))
-                real_logits, fake_logits = self.gan_head(features()).chunk(2)
+                if not self.critic_gan:  # on pixels: both decoded alike, not noised
+                    with torch.no_grad():
+                        clips = self.stage.decode(torch.cat([real, sample]))
+                    real_logits, fake_logits = self.gan_head(clips).chunk(2)
+                else:
+                    with self.stage.velocity(self.critic) as critic, \
+                            block_features(self.card.models[self.critic], self.gan_blocks) as features:
+                        critic(noised(torch.cat([real, sample]), eps, sigma), self.sampler.timestep_of(sigma),
+                               Conditioning.cat([cond, cond]))
+                    real_logits, fake_logits = self.gan_head(features()).chunk(2)
                 per_sample, gan_metrics = gan_critic_loss(real_logits, fake_logits)
                 self.log(f"train/gan_loss/{self.critic}", per_sample.detach().mean(), on_step=True)
                 for key, value in gan_metrics.items():

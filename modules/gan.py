@@ -13,6 +13,12 @@ each see the whole clip, motion included). With several blocks (``blocks``), eac
 blocks are concatenated, ``(B, N, k·D)``, before the head reads them: a discriminator on several depths of the
 critic, as LADD's (Sauer et al. 2024) heads read several layers of theirs.
 
+On pixels instead (``space="pixels"``): a 3-D PatchGAN (``PixelDiscriminator``, Isola et al. 2017's patch
+discriminator with a temporal kernel, spectrally normalized as Miyato et al. 2018) reads the VAE-decoded clips, real
+and the student's alike through the same decoder; the student's loss reaches its latent through the frozen decoder.
+The critic's features sit on the transformer's patch grid (a few tokens a frame here); the pixel head reads
+edges and corners at the clips' own resolution.
+
 The head is a submodule of the critic (``attach_head``), so it steps with the critic's optimizer, lives in the
 critic's checkpoint entry and resumes with it, as in the reference (``cls_pred_branch`` belongs to the guidance model
 and its optimizer).
@@ -39,6 +45,24 @@ class FeatureClassifier(nn.Module):
         return self.net(features.float()).squeeze(-1).mean(dim=1)
 
 
+class PixelDiscriminator(nn.Module):
+    """(B, C, F, H, W) decoded clips -> (B,) realism logits: three spectrally normalized 3-D convolutions, each
+    halving height and width (kernel 3 in time, 4 in space), LeakyReLU between, a last convolution to one logit per
+    space-time patch, the mean over patches. Every patch sees neighbouring frames, so motion is judged with shape."""
+
+    def __init__(self, channels: int = 3, width: int = 32):
+        super().__init__()
+        norm = nn.utils.parametrizations.spectral_norm
+        layers: list[nn.Module] = []
+        for cin, cout in [(channels, width), (width, 2 * width), (2 * width, 2 * width)]:
+            layers += [norm(nn.Conv3d(cin, cout, (3, 4, 4), stride=(1, 2, 2), padding=1)), nn.LeakyReLU(0.2)]
+        layers.append(norm(nn.Conv3d(2 * width, 1, 3, padding=1)))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, video: torch.Tensor) -> torch.Tensor:
+        return self.net(video.float()).flatten(1).mean(dim=1)
+
+
 def feature_dim(transformer: nn.Module) -> int:
     """Width of the hidden states after a Wan transformer block (heads × head dim)."""
     config = transformer.config
@@ -59,13 +83,17 @@ def feature_blocks(critic: nn.Module, blocks: Sequence[int]) -> list[int]:
     return sorted({b % n for b in blocks})
 
 
-def attach_head(critic: nn.Module, seed: int, blocks: Sequence[int] = (-1,), hidden: int = 64) -> FeatureClassifier:
-    """Give ``critic`` (a Wan transformer: ``blocks``) its GAN head on the features of ``blocks``, initialised from
-    ``seed`` without touching the global RNG (the run's other draws stay where they were). Returns the head."""
-    width = feature_dim(critic) * len(feature_blocks(critic, blocks))
+def attach_head(critic: nn.Module, seed: int, blocks: Sequence[int] = (-1,), hidden: int = 64,
+                space: str = "critic") -> nn.Module:
+    """Give ``critic`` (a Wan transformer: ``blocks``) its GAN head on the features of ``blocks`` (``space="pixels"``:
+    a ``PixelDiscriminator`` on decoded clips, stepping with the critic all the same), initialised from ``seed``
+    without touching the global RNG (the run's other draws stay where they were). Returns the head."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = FeatureClassifier(width, hidden)
+        if space == "pixels":
+            head = PixelDiscriminator()
+        else:
+            head = FeatureClassifier(feature_dim(critic) * len(feature_blocks(critic, blocks)), hidden)
     first = next(critic.parameters())
     critic.add_module(HEAD, head.to(device=first.device))
     return head

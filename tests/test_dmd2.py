@@ -23,7 +23,7 @@ from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.gan import block_features, feature_dim
+from posttrain.modules.gan import PixelDiscriminator, block_features, feature_dim
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN
 from tests.helpers import assert_one_metric_scheme, quick_trainer
@@ -509,6 +509,61 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
     assert differs(before, weights(refused, "transformer")) == 0
 
 
+def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the_decoder(monkeypatch):
+    """``gan_space: pixels``: the head is a patch discriminator, a submodule of the critic stepping with it, and reads
+    clips: in the critic's update the teacher's samples (real) and the student's (fake), both decoded by the VAE,
+    not noised; its loss reaches the head and not the critic's transformer. The student's GAN loss reaches
+    the student's weights through the decoder while every head parameter stops requiring grad, and the critic's
+    transformer, which the pixel head does not read, runs without grad then."""
+    module = dmd2(ratio=2, gan_space="pixels", **GAN)
+    module.configure_model()
+    head = list(module.gan_head.parameters())
+    critic = [p for p in module.card.models["critic"].parameters() if all(p is not h for h in head)]
+    student = module.card.parameters_of("transformer")
+    assert isinstance(module.gan_head, PixelDiscriminator)
+    assert head and all(any(p is q for q in module.card.parameters_of("critic")) for p in head)
+    reads, reals, student_gan, critic_part = [], [], [], []
+    module.gan_head.register_forward_hook(lambda _m, args, _out: reads.append(args[0].detach().clone()))
+    real_teacher_samples = module.teacher_samples
+
+    def teacher_samples(prompts):
+        sample = real_teacher_samples(prompts)
+        reals.append(module.stage.decode(sample))
+        return sample
+
+    real_gen, real_critic_loss = dmd2_module.gan_generator_loss, dmd2_module.gan_critic_loss
+
+    def gan_generator_loss(logits):
+        loss = real_gen(logits)
+        assert not any(p.requires_grad for p in head)
+        grads = torch.autograd.grad(loss.sum(), student + critic, retain_graph=True, allow_unused=True)
+        student_gan.append((any(g is not None and g.abs().sum() > 0 for g in grads[:len(student)]),
+                            any(g is not None for g in grads[len(student):])))
+        return loss
+
+    def gan_critic_loss(real_logits, fake_logits):
+        per_sample, metrics = real_critic_loss(real_logits, fake_logits)
+        grads = torch.autograd.grad(per_sample.sum(), head + critic, retain_graph=True, allow_unused=True)
+        critic_part.append((all(g is not None for g in grads[:len(head)]),
+                            any(g is not None for g in grads[len(head):])))
+        return per_sample, metrics
+
+    module.teacher_samples = teacher_samples
+    monkeypatch.setattr(dmd2_module, "gan_generator_loss", gan_generator_loss)
+    monkeypatch.setattr(dmd2_module, "gan_critic_loss", gan_critic_loss)
+    quick_trainer(max_steps=4).fit(module, prompts())
+    assert student_gan == [(True, False), (True, False)]  # iterations 0 and 2: the student's, not the critic's
+    assert critic_part == [(True, False)] * 4  # the head's, not the critic transformer's
+    size = (3, SIZE.frames, SIZE.height, SIZE.width)
+    student_reads = [r for r in reads if r.shape[0] == 2]
+    head_reads = [r for r in reads if r.shape[0] == 4]  # two reals, then two fakes
+    assert len(student_reads) == 2 and len(head_reads) == 4 and all(tuple(r.shape[1:]) == size for r in reads)
+    for read, real in zip(head_reads, reals):
+        assert torch.allclose(read[:2], real, atol=1e-6)  # the teacher's samples, decoded, not noised
+        assert not torch.allclose(read[2:], real, atol=1e-2)  # the student's
+    assert all(p.requires_grad for p in critic + head)
+
+
 def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
     """``train/gan_to_dmd_grad``: the GAN term's gradient norm at the student's x̂0 (weight included) over DMD's,
     read off the student's own backward. Checked against both gradients taken apart with autograd on the same
@@ -584,6 +639,8 @@ def test_a_checkpoint_from_other_gan_settings_is_refused_by_name(tmp_path):
         run_to(tmp_path / "wider", 4, ckpt_path=path, gan_blocks=(0, -1), **GAN)
     with pytest.raises(ValueError, match=r"gan_head\.net\.0\.bias: in the checkpoint, not in the run"):
         run_to(tmp_path / "off", 4, ckpt_path=path)
+    with pytest.raises(ValueError, match=r"(?s)critic\.gan_head\.net\..*gan_space"):
+        run_to(tmp_path / "pixels", 4, ckpt_path=path, gan_space="pixels", **GAN)
     after = checkpoints.load(path)["state_dict"]
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -773,6 +830,12 @@ def test_bad_settings_name_the_option():
         dmd2(gan_generator_weight=-1.0)
     with pytest.raises(ValueError, match=r"gan_blocks=\[0, -1\] chooses the critic's blocks .* gan_critic_weight=0"):
         dmd2(gan_blocks=(0, -1))
+    with pytest.raises(ValueError, match=r"gan_space='latent' must be 'critic' .* or 'pixels'"):
+        dmd2(gan_space="latent", **GAN)
+    with pytest.raises(ValueError, match=r"gan_space='pixels' chooses where the GAN head looks, but gan_critic_weight"):
+        dmd2(gan_space="pixels")
+    with pytest.raises(ValueError, match=r"gan_blocks=\[0\] .* but gan_space='pixels' reads the decoded clips"):
+        dmd2(gan_space="pixels", gan_blocks=(0,), **GAN)
     with pytest.raises(ValueError, match=r"gan_reals='images' must be 'teacher' .* or 'data'"):
         dmd2(gan_reals="images", **GAN)
     with pytest.raises(ValueError, match=r"gan_reals='data' chooses the GAN head's real samples, but gan_critic"):
