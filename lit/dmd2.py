@@ -44,7 +44,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
 from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.gan import HEAD, attach_head, block_features, frozen, tapped
+from posttrain.modules.gan import HEAD, attach_head, block_features, frozen, pooled_text, tapped
 from posttrain.modules.losses import (dmd_generator_loss, flow_matching_loss, gan_critic_loss, gan_generator_loss,
                                       noised, sample_sigmas, x0_from_velocity)
 from posttrain.modules.samplers import FlowMatchSampler
@@ -81,8 +81,9 @@ class DMD2(ExpertModule):
         gan_blocks: the critic's blocks whose output features the head reads, concatenated per token (-1 = the
             last, DMD2's bottleneck; several = a discriminator on several depths, as LADD's heads).
         gan_space: where the head looks: ``critic`` (the critic's block features, DMD2's) or ``pixels`` (a 3-D
-            PatchGAN on the VAE-decoded clips, ``modules/gan.py``: reals decoded as the student's samples are, the
-            student's loss through the frozen decoder to its x̂0; no noise, spectral norm; ``gan_blocks`` unused).
+            PatchGAN on the VAE-decoded clips, conditioned on the prompt by projection, ``modules/gan.py``: reals
+            decoded as the student's samples are, the student's loss through the frozen decoder to its x̂0; not
+            noised, spectral norm; ``gan_blocks`` unused).
         gan_reals: what the head learns as real: ``teacher`` (one teacher sample per training prompt,
             ``teacher_samples``) or ``data`` (the batch's own clips, encoded by the VAE, or its latents: DMD2's real
             images, which let the student move past its teacher; needs captioned videos as data, e.g.
@@ -281,7 +282,8 @@ class DMD2(ExpertModule):
                             else torch.zeros(len(prompts)))
             if self.gan and not self.critic_gan:  # on pixels: x̂0 decoded with grad, through the frozen head
                 with frozen(self.gan_head):
-                    gan_loss = gan_generator_loss(self.gan_head(self.stage.decode(tapped(x0, pull, "gan"))))
+                    gan_loss = gan_generator_loss(self.gan_head(self.stage.decode(tapped(x0, pull, "gan")),
+                                                                pooled_text(cond["encoder_hidden_states"])))
             x_t = x_t.detach()
             per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd") if self.gan else x0,
                                                      x0_from_velocity(x_t, v_real, sigma),
@@ -330,7 +332,8 @@ class DMD2(ExpertModule):
                 if not self.critic_gan:  # on pixels: both decoded alike, not noised
                     with torch.no_grad():
                         clips = self.stage.decode(torch.cat([real, sample]))
-                    real_logits, fake_logits = self.gan_head(clips).chunk(2)
+                    text = pooled_text(cond["encoder_hidden_states"])
+                    real_logits, fake_logits = self.gan_head(clips, torch.cat([text, text])).chunk(2)
                 else:
                     with self.stage.velocity(self.critic) as critic, \
                             block_features(self.card.models[self.critic], self.gan_blocks) as features:

@@ -14,8 +14,8 @@ blocks are concatenated, ``(B, N, k·D)``, before the head reads them: a discrim
 critic, as LADD's (Sauer et al. 2024) heads read several layers of theirs.
 
 On pixels instead (``space="pixels"``): a 3-D PatchGAN (``PixelDiscriminator``, Isola et al. 2017's patch
-discriminator with a temporal kernel, spectrally normalized as Miyato et al. 2018) reads the VAE-decoded clips, real
-and the student's alike through the same decoder; the student's loss reaches its latent through the frozen decoder.
+discriminator with a temporal kernel, spectrally normalized as Miyato et al. 2018, conditioned on the prompt by
+projection) reads the VAE-decoded clips, real and the student's alike through the same decoder; the student's loss reaches its latent through the frozen decoder.
 The critic's features sit on the transformer's patch grid (a few tokens a frame here); the pixel head reads
 edges and corners at the clips' own resolution.
 
@@ -46,21 +46,34 @@ class FeatureClassifier(nn.Module):
 
 
 class PixelDiscriminator(nn.Module):
-    """(B, C, F, H, W) decoded clips -> (B,) realism logits: three spectrally normalized 3-D convolutions, each
-    halving height and width (kernel 3 in time, 4 in space), LeakyReLU between, a last convolution to one logit per
-    space-time patch, the mean over patches. Every patch sees neighbouring frames, so motion is judged with shape."""
+    """(B, C, F, H, W) decoded clips and (B, T) their prompts' text summaries -> (B,) realism logits: three
+    spectrally normalized 3-D convolutions, each halving height and width (kernel 3 in time, 4 in space), LeakyReLU
+    between; a last convolution gives one logit per space-time patch, averaged, plus the projection term (Miyato &
+    Koyama 2018): the pooled features' inner product with a linear embedding of the text, so a clip is judged as a
+    sample of its prompt (a red square is no real sample of "a cyan triangle"). Every patch sees neighbouring frames,
+    so motion is judged with shape."""
 
-    def __init__(self, channels: int = 3, width: int = 32):
+    def __init__(self, text_dim: int, channels: int = 3, width: int = 32):
         super().__init__()
         norm = nn.utils.parametrizations.spectral_norm
         layers: list[nn.Module] = []
         for cin, cout in [(channels, width), (width, 2 * width), (2 * width, 2 * width)]:
             layers += [norm(nn.Conv3d(cin, cout, (3, 4, 4), stride=(1, 2, 2), padding=1)), nn.LeakyReLU(0.2)]
-        layers.append(norm(nn.Conv3d(2 * width, 1, 3, padding=1)))
         self.net = nn.Sequential(*layers)
+        self.out = norm(nn.Conv3d(2 * width, 1, 3, padding=1))
+        self.embed = norm(nn.Linear(text_dim, 2 * width))
 
-    def forward(self, video: torch.Tensor) -> torch.Tensor:
-        return self.net(video.float()).flatten(1).mean(dim=1)
+    def forward(self, video: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        features = self.net(video.float())
+        projection = (features.mean(dim=(2, 3, 4)) * self.embed(text.float())).sum(dim=1)
+        return self.out(features).flatten(1).mean(dim=1) + projection
+
+
+def pooled_text(hidden: torch.Tensor) -> torch.Tensor:
+    """(B, L, D) text hidden states, zero past each prompt's tokens (as Wan pipelines pad them) -> (B, D) the mean
+    over each prompt's own tokens."""
+    kept = (hidden.abs().sum(dim=-1, keepdim=True) > 0).to(hidden.dtype)
+    return (hidden * kept).sum(dim=1) / kept.sum(dim=1).clamp(min=1)
 
 
 def feature_dim(transformer: nn.Module) -> int:
@@ -91,7 +104,7 @@ def attach_head(critic: nn.Module, seed: int, blocks: Sequence[int] = (-1,), hid
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if space == "pixels":
-            head = PixelDiscriminator()
+            head = PixelDiscriminator(int(critic.config.text_dim))
         else:
             head = FeatureClassifier(feature_dim(critic) * len(feature_blocks(critic, blocks)), hidden)
     first = next(critic.parameters())

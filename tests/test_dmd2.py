@@ -23,7 +23,7 @@ from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.gan import PixelDiscriminator, block_features, feature_dim
+from posttrain.modules.gan import PixelDiscriminator, block_features, feature_dim, pooled_text
 from posttrain.modules.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN
 from tests.helpers import assert_one_metric_scheme, quick_trainer
@@ -511,7 +511,8 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
 
 def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the_decoder(monkeypatch):
     """``gan_space: pixels``: the head is a patch discriminator, a submodule of the critic stepping with it, and reads
-    clips: in the critic's update the teacher's samples (real) and the student's (fake), both decoded by the VAE,
+    clips with their prompts (a projection on the prompt's tokens, averaged; the same clip scores otherwise under
+    another prompt): in the critic's update the teacher's samples (real) and the student's (fake), both decoded by the VAE,
     not noised; its loss reaches the head and not the critic's transformer. The student's GAN loss reaches
     the student's weights through the decoder while every head parameter stops requiring grad, and the critic's
     transformer, which the pixel head does not read, runs without grad then."""
@@ -562,6 +563,13 @@ def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the
         assert torch.allclose(read[:2], real, atol=1e-6)  # the teacher's samples, decoded, not noised
         assert not torch.allclose(read[2:], real, atol=1e-2)  # the student's
     assert all(p.requires_grad for p in critic + head)
+    text = module.stage.condition(["a red square moving right", "a cyan triangle moving up"], "cpu")
+    pooled = pooled_text(text["encoder_hidden_states"])
+    tokens = (text["encoder_hidden_states"][0].abs().sum(-1) > 0).sum()  # each prompt's own tokens, pads zero
+    torch.testing.assert_close(pooled[0], text["encoder_hidden_states"][0, :tokens].mean(0))
+    with torch.no_grad():  # conditioned: one clip, two prompts, two logits
+        logits = module.gan_head(head_reads[0][:1].expand(2, -1, -1, -1, -1), pooled)
+    assert abs(logits[0] - logits[1]) > 1e-4
 
 
 def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
