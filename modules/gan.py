@@ -1,4 +1,4 @@
-"""DMD2's GAN term: a small classifier on the critic's (fake score net's) intermediate features.
+"""DMD2's GAN term: a small classifier on the critic's (fake score net's) intermediate features, or on the clips.
 
 Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis", §4.2 and reference
 ``tianweiy/DMD2`` ``main/sd_guidance.py`` (``cls_pred_branch`` on the fake UNet's bottleneck,
@@ -15,9 +15,9 @@ critic, as LADD's (Sauer et al. 2024) heads read several layers of theirs.
 
 On pixels instead (``space="pixels"``): a 3-D PatchGAN (``PixelDiscriminator``, Isola et al. 2017's patch
 discriminator with a temporal kernel, spectrally normalized as Miyato et al. 2018, conditioned on the prompt by
-projection) reads the VAE-decoded clips, real and the student's alike through the same decoder; the student's loss reaches its latent through the frozen decoder.
-The critic's features sit on the transformer's patch grid (a few tokens a frame here); the pixel head reads
-edges and corners at the clips' own resolution.
+projection) reads the VAE-decoded clips, real and the student's alike through the same decoder; the student's loss
+reaches its latent through the frozen decoder. The critic's features sit on the transformer's patch grid (a few
+tokens a frame here); the pixel head reads edges and corners at the clips' own resolution.
 
 The head is a submodule of the critic (``attach_head``), so it steps with the critic's optimizer, lives in the
 critic's checkpoint entry and resumes with it, as in the reference (``cls_pred_branch`` belongs to the guidance model

@@ -512,10 +512,10 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
 def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the_decoder(monkeypatch):
     """``gan_space: pixels``: the head is a patch discriminator, a submodule of the critic stepping with it, and reads
     clips with their prompts (a projection on the prompt's tokens, averaged; the same clip scores otherwise under
-    another prompt): in the critic's update the teacher's samples (real) and the student's (fake), both decoded by the VAE,
-    not noised; its loss reaches the head and not the critic's transformer. The student's GAN loss reaches
-    the student's weights through the decoder while every head parameter stops requiring grad, and the critic's
-    transformer, which the pixel head does not read, runs without grad then."""
+    another prompt): in the critic's update the teacher's samples (real) and the student's (fake), both decoded by
+    the VAE, not noised; its loss reaches the head and not the critic's transformer. The student's GAN loss reaches
+    the student's weights through the decoder while every head parameter stops requiring grad, and not the critic's
+    transformer, which the pixel head does not read."""
     module = dmd2(ratio=2, gan_space="pixels", **GAN)
     module.configure_model()
     head = list(module.gan_head.parameters())
