@@ -613,17 +613,22 @@ def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
     assert "train/gan_to_dmd_grad/transformer" not in module.trainer.callback_metrics
 
 
-def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("space", ["critic", "pixels"])
+def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path, space):
     """With the GAN term the head is part of the critic: the iteration-4 checkpoint holds its weights, and resuming
     it to iteration 8 ends bit for bit where the uninterrupted run ends — head, critic, student and both optimizers
-    (the head's moments in the critic's)."""
-    straight, _ = run_to(tmp_path / "straight", 8, **GAN)
-    first, _ = run_to(tmp_path / "resumed", 4, **GAN)
+    (the head's moments in the critic's). On pixels too, whose spectral norms keep their power-iteration vectors as
+    buffers that every forward moves: they are in the checkpoint, so the resumed head goes on from them."""
+    gan = dict(GAN, gan_space=space)
+    straight, _ = run_to(tmp_path / "straight", 8, **gan)
+    first, _ = run_to(tmp_path / "resumed", 4, **gan)
     path = str(tmp_path / "resumed" / "ckpt" / "epoch=0-step=4.ckpt")
     saved = checkpoints.load(path)
     head_keys = [k for k in saved["state_dict"] if k.startswith("card.models.critic.gan_head.")]
     assert head_keys
-    resumed, _ = run_to(tmp_path / "resumed", 8, ckpt_path=path, **GAN)
+    if space == "pixels":
+        assert any(k.endswith("parametrizations.weight.0._u") for k in head_keys)
+    resumed, _ = run_to(tmp_path / "resumed", 8, ckpt_path=path, **gan)
     for name in ("transformer", "critic"):
         a, b = weights(straight, name), weights(resumed, name)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{name} differs after resume"
