@@ -164,33 +164,33 @@ class DMD2(ExpertModule):
         elif gan_generator_weight > 0 and gan_critic_weight == 0:
             problems.append(f"gan_generator_weight={gan_generator_weight} needs gan_critic_weight > 0: the head the "
                             f"student is scored by never learns otherwise (DMD2 anchor 1e-2)")
-        if tuple(gan_blocks) != (-1,) and gan_critic_weight == 0:
-            problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
-                            f"gan_critic_weight=0 has no GAN term: set gan_critic_weight > 0 or drop gan_blocks")
-        if gan_space not in ("critic", "pixels"):
-            problems.append(f"gan_space={gan_space!r} must be 'critic' (the head on the critic's features, DMD2's) "
-                            f"or 'pixels' (a patch discriminator on the decoded clips)")
-        elif gan_space != "critic" and gan_critic_weight == 0:
-            problems.append(f"gan_space={gan_space!r} chooses where the GAN head looks, but gan_critic_weight=0 has no "
-                            f"GAN term: set gan_critic_weight > 0 or drop gan_space")
+        # the options that choose among named meanings, and those a run without the GAN term would ignore
+        choices = {"gan_space": (gan_space, {"critic": "the head on the critic's features, DMD2's",
+                                             "pixels": "a patch discriminator on the decoded clips"}),
+                   "gan_reals": (gan_reals, {"teacher": "teacher samples of the prompts",
+                                             "data": "the batch's clips, DMD2's real images"}),
+                   "regression_steps": (regression_steps, {"first": "DMD's", "every": "CausVid's ODE regression"})}
+        wrong = [name for name, (value, meanings) in choices.items() if value not in meanings]
+        for name in wrong:
+            value, meanings = choices[name]
+            problems.append(f"{name}={value!r} must be " + " or ".join(f"'{k}' ({m})" for k, m in meanings.items()))
+        gan_only = {"gan_blocks": (tuple(gan_blocks) != (-1,),
+                                   f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads"),
+                    "gan_space": (gan_space != "critic", f"gan_space={gan_space!r} chooses where the GAN head looks"),
+                    "gan_reals": (gan_reals != "teacher",
+                                  f"gan_reals={gan_reals!r} chooses the GAN head's real samples")}
+        if gan_critic_weight == 0:
+            problems += [f"{what}, but gan_critic_weight=0 has no GAN term: set gan_critic_weight > 0 or drop {name}"
+                         for name, (given, what) in gan_only.items() if given and name not in wrong]
         elif gan_space == "pixels" and tuple(gan_blocks) != (-1,):
             problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
                             f"gan_space='pixels' reads the decoded clips: drop gan_blocks or set gan_space: critic")
-        if gan_reals not in ("teacher", "data"):
-            problems.append(f"gan_reals={gan_reals!r} must be 'teacher' (teacher samples of the prompts) or 'data' "
-                            f"(the batch's clips, DMD2's real images)")
-        elif gan_reals != "teacher" and gan_critic_weight == 0:
-            problems.append(f"gan_reals={gan_reals!r} chooses the GAN head's real samples, but gan_critic_weight=0 "
-                            f"has no GAN term: set gan_critic_weight > 0 or drop gan_reals")
         if regression_weight < 0 or regression_pairs < 1:
             problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
                             f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
         if regression_until is not None and regression_until < 1:
             problems.append(f"regression_until={regression_until} must be >= 1 (the iteration the regression stops "
                             f"at) or null (every iteration)")
-        if regression_steps not in ("first", "every"):
-            problems.append(f"regression_steps={regression_steps!r} must be 'first' (DMD's) or 'every' (CausVid's ODE "
-                            f"regression)")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
         if real_guidance_scale is not None and real_guidance_scale < 1.0:
@@ -325,6 +325,7 @@ class DMD2(ExpertModule):
         losses = [lambda: critic_loss]
         if self.gan:
             real = self.teacher_samples(prompts) if data_reals is None else data_reals
+            # the head's noise, drawn on pixels too though unread there (the stream the measured figures used)
             sigma = self.score_sigmas(2 * len(prompts))
             eps = torch.randn((2 * len(prompts), *sample.shape[1:]), generator=self.generator).to(sample)
 

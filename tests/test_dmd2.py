@@ -554,6 +554,7 @@ def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the
     monkeypatch.setattr(dmd2_module, "gan_critic_loss", gan_critic_loss)
     quick_trainer(max_steps=4).fit(module, prompts())
     assert student_gan == [(True, False), (True, False)]  # iterations 0 and 2: the student's, not the critic's
+    assert float(module.trainer.callback_metrics["train/gan_to_dmd_grad/transformer"]) > 0  # its pull, logged
     assert critic_part == [(True, False)] * 4  # the head's, not the critic transformer's
     size = (3, SIZE.frames, SIZE.height, SIZE.width)
     student_reads = [r for r in reads if r.shape[0] == 2]
