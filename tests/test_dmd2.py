@@ -947,6 +947,50 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
     assert rank0 == rank1 and len([line for line in rank0 if line]) == 4
 
 
+
+def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_bitwise(tmp_path):
+    """The pixel GAN head (spectral norms: their weights reparametrized, their power-iteration vectors buffers) on a
+    critic sharded by ZeRO-3 over 2 processes, the student under DDP: the head's weights and vectors are in the
+    sharded critic's checkpoint and move between iterations 2 and 4, and a run SIGKILLed after iteration 3 and
+    resumed from iteration 2 ends bit for bit where the uninterrupted run ends (student, critic, head)."""
+    import os
+
+    import helpers_strategy as h
+
+    adam = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, "betas": [0.0, 0.999]}}
+    experts = {"teacher": {"arch": "wan_t2v", "preset": TINY_WAN},
+               "transformer": h.expert(None, init_from="teacher", optimizer=adam),
+               "critic": h.expert(3, init_from="teacher", optimizer=adam)}
+
+    def config(folder, kill=False):
+        callbacks = [{"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}}] if kill else []
+        return h.config(folder, zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, callbacks=callbacks,
+                        student_steps=2, generator_update_ratio=2, gan_space="pixels", gan_critic_weight=1e-2,
+                        gan_generator_weight=3e-3,
+                        teacher_sampler={"class_path": "posttrain.modules.samplers.FlowMatchSampler",
+                                         "init_args": {"num_steps": 2}})
+
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    result = h.fit(config(full))
+    assert result.returncode == 0, result.stderr[-6000:]
+    killed = h.fit(config(resumed, kill=True))
+    assert killed.returncode != 0, "the kill switch did not fire"
+    at_2 = h.weights(os.path.join(resumed, "ckpt", "last.ckpt"), "critic")  # the killed run's last: iteration 2
+    result = h.fit(config(resumed), "--ckpt_path", "last")
+    assert result.returncode == 0, result.stderr[-6000:]
+
+    a, b = os.path.join(full, "ckpt", "last.ckpt"), os.path.join(resumed, "ckpt", "last.ckpt")
+    assert os.path.isdir(os.path.join(a, "critic", "zero"))
+    assert checkpoints.load(a)["global_step"] == checkpoints.load(b)["global_step"] == 4
+    for name in ("transformer", "critic"):
+        wa, wb = h.weights(a, name), h.weights(b, name)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f"{name} differs"
+    head = {k: v for k, v in h.weights(a, "critic").items() if k.startswith("gan_head.")}
+    assert any(k.endswith("parametrizations.weight.original") for k in head)
+    assert any(k.endswith("parametrizations.weight.0._u") for k in head)
+    assert head.keys() <= at_2.keys() and all(v.abs().sum() > 0 for v in head.values())
+    assert differs(head, {k: at_2[k] for k in head}) > 0
+
 # ---------------------------------------------------------------------- learning, against the pretrained world's teacher
 def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int = 16):
     """``config`` for ``steps`` iterations in this process; the student's samples of seen-concept prompts
