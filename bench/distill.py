@@ -39,8 +39,9 @@ from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # n
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
 from posttrain.modules.cards import compile_in_place, to_channels_last  # noqa: E402
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
-from posttrain.modules.geneval import SyntheticGenEval, windows  # noqa: E402
+from posttrain.modules.geneval import SyntheticGenEval, judge, windows  # noqa: E402
 from posttrain.modules.media import grid  # noqa: E402
+from posttrain.modules.world import FACTS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +70,12 @@ def closeness(prompts, teacher: tuple[torch.Tensor, torch.Tensor], other: tuple[
     geneval.update(other[1], prompts)
     return {"frechet": float(frechet.compute()), "latent_mse": float((other[0] - teacher[0]).pow(2).mean()),
             **{k: float(v) for k, v in geneval.compute().items()}}
+
+
+def all_four(videos: torch.Tensor, prompts: list[str]) -> list[float]:
+    """Per prompt, 1.0 where the video shows all four of its facts, else 0.0 (GenEval's ``all``, sample by sample)."""
+    verdicts = judge(videos, prompts)
+    return torch.stack([verdicts[f] for f in FACTS], 1).eq(1).all(1).float().tolist()
 
 
 def row(name: str, scores: dict) -> str:
@@ -301,10 +308,16 @@ def main() -> None:
                         "the clip (plain and rolling KV cache), over --seeds fits (self_forcing_bench)")
     parser.add_argument("--control", action="store_true", help="with --per-chunk: also a zero student lr fit")
     parser.add_argument("--lengths", type=int, default=3, help="with --per-chunk: generate this many clip lengths")
-    parser.add_argument("--json", default=None, help="with --per-chunk: write every score here")
+    parser.add_argument("--json", default=None, help="with --per-chunk: write every score here; with --students: "
+                        "each held-out prompt's all-four verdict (teacher, before, each seed's student), for --join")
+    parser.add_argument("--join", nargs="+", default=None, metavar="JSON", help="join --students --json files "
+                        "(e.g. one process per seed) and report each student's ratio to the teacher with a paired "
+                        "bootstrap interval over prompts and seeds (join())")
     parser.add_argument("--chunk-frames", type=int, default=None, help="with --per-chunk: the student's chunk "
                         "(latent frames; default: the config's sampler.chunk_frames)")
     args, overrides = parser.parse_known_args()  # the rest goes to the CLI, e.g. --model.init_args.gan_critic_weight 0
+    if args.join:
+        return join(args.join)
     if args.per_chunk:
         if overrides:
             parser.error(f"--per-chunk takes no CLI overrides (got {overrides}); edit a copy of --config instead")
@@ -416,6 +429,7 @@ def students(args, overrides: list[str]) -> None:
     steps, which is also the zero-student-lr control: lr 0 leaves the student bitwise, tests/test_dmd2.py) and after
     ``fit``."""
     rows, sheet, teacher, target, prompts, faster = [], [], None, None, None, {}
+    verdicts: dict = {"students": {}}  # per prompt, all four shown (1) or not (0): --json, --join
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.students:
             after, before, timing = [], None, None
@@ -430,6 +444,7 @@ def students(args, overrides: list[str]) -> None:
                     geneval = SyntheticGenEval()
                     geneval.update(teacher[1], prompts)
                     target = {k: float(v) for k, v in geneval.compute().items()}
+                    verdicts.update(prompts=prompts, teacher=all_four(teacher[1], prompts))
                 if timing is None:
                     one = prompts[:args.batch]
                     ratio = time_sampling(module, one, args.blocks, name=f"time {n}-step student/teacher")
@@ -453,6 +468,7 @@ def students(args, overrides: list[str]) -> None:
                         break
                     start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
                     before = closeness(prompts, teacher, start)
+                    verdicts["students"][str(n)] = {"before": all_four(start[1], prompts), "after": {}}
                 module.train()
                 started = time.perf_counter()
                 cli.trainer.fit(module, datamodule=cli.datamodule)
@@ -460,10 +476,14 @@ def students(args, overrides: list[str]) -> None:
                 module.eval()
                 done = samples(module, prompts, module.sampler, module.serving_transformer, args.batch, HELD_OUT_SEED)
                 after.append({**closeness(prompts, teacher, done), "fit_s": fit_s})
+                verdicts["students"][str(n)]["after"][str(seed)] = all_four(done[1], prompts)
                 print(f"{n} steps, seed {seed}: {after[-1]}", flush=True)
                 if seed == args.seeds[0]:
                     sheet.append((n, start[1], done[1], cli.trainer.global_step))
             rows.append((n, timing, before, after))
+    if args.json and not args.time_only:
+        with open(args.json, "w") as f:
+            json.dump(verdicts, f)
     print(f"\n{len(prompts)} held-out prompts (captions the training prompts never name, seen concepts), noise seeds "
           f"from {HELD_OUT_SEED}; target: the teacher, {module.teacher_sampler.num_steps} steps, CFG "
           f"{module.teacher_sampler.guidance_scale}: GenEval all {target['all']:.3f}, motion {target['motion']:.3f}")
@@ -496,6 +516,43 @@ def students(args, overrides: list[str]) -> None:
                                                                    done[i])]
         grid(shown, scale=4).save(args.grid)
         print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
+
+
+def join(paths: list[str], line: float = 0.95, draws: int = 10000) -> None:
+    """Join ``--students ... --json`` files (one process per seed) scored on one held-out set, and say per step count
+    how near the teacher the students are: all four over seeds and prompts, its ratio to the teacher's on the same
+    prompts, and that ratio's 95% interval from a paired bootstrap over both sources of chance — the prompts (teacher
+    and students resampled together) and the fits (the seeds resampled) — with the share of draws at or above
+    ``line`` (the goal's 0.95 of the teacher)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    prompts, teacher = runs[0]["prompts"], runs[0]["teacher"]
+    for path, run in zip(paths, runs):
+        if run["prompts"] != prompts or run["teacher"] != teacher:
+            raise SystemExit(f"--join: {path} was scored on other held-out prompts or another teacher than {paths[0]}; "
+                             f"join runs of one --prompts / --held-out-beyond and one teacher")
+    teacher_t = torch.tensor(teacher)
+    g = torch.Generator().manual_seed(0)
+    print(f"{len(prompts)} held-out prompts; the teacher's all four {teacher_t.mean():.3f}; 95% intervals from {draws} "
+          f"paired bootstrap draws of prompts and seeds\n")
+    print(f"| student steps | seeds | all four: before → after, mean [min, max] of seeds | ratio to the teacher [95% "
+          f"interval] | draws ≥ {line} |\n|---|---|---|---|---|")
+    for n in sorted({n for run in runs for n in run["students"]}, key=int):
+        after = {seed: v for run in runs if n in run["students"] for seed, v in run["students"][n]["after"].items()}
+        before = next(run["students"][n]["before"] for run in runs if n in run["students"])
+        seeds = sorted(after, key=int)
+        table = torch.tensor([after[seed] for seed in seeds])  # (seeds, prompts)
+        p = torch.randint(len(prompts), (draws, len(prompts)), generator=g)
+        k = torch.randint(len(seeds), (draws, len(seeds)), generator=g)
+        students = table[k.unsqueeze(-1), p.unsqueeze(1)].mean((1, 2))  # (draws,)
+        ratio = students / teacher_t[p].mean(1).clamp(min=1e-9)
+        low, high = torch.quantile(ratio, torch.tensor([0.025, 0.975])).tolist()
+        means = table.mean(1)
+        print(f"| {n} | {' '.join(seeds)} | {sum(before) / len(before):.3f} → {means.mean():.3f} "
+              f"[{means.min():.3f}, {means.max():.3f}] | {means.mean() / teacher_t.mean():.3f} [{low:.3f}, {high:.3f}] "
+              f"| {(ratio >= line).float().mean():.0%} |")
 
 
 if __name__ == "__main__":

@@ -448,3 +448,36 @@ def test_gan_pull_bench_follows_the_weight():
     out = run_bench("bench/gan_pull.py", "--steps", "1", "--weights", "3e-3", "3e-1")
     rows = [line for line in out.splitlines() if line.startswith("| 0.")]
     assert len(rows) == 2 and "×1.0 (weight ×1)" in rows[0] and "×100.0 (weight ×100)" in rows[1], out
+
+
+# ---------------------------------------------------------------------- distill.py --join
+def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, capsys):
+    """``--join`` of per-seed ``--json`` files: a student that shows every prompt the teacher shows reads ratio 1 with
+    every draw at or above the 0.95 line; one that misses half of them reads 0.5 with none; the interval brackets
+    the ratio. Files scored on other prompts are refused by name."""
+    import json
+
+    import distill
+
+    prompts = [f"a red circle moving left on a green background {i}" for i in range(40)]
+    teacher = [1.0] * 36 + [0.0] * 4
+    half = [1.0 if i % 2 else 0.0 for i in range(40)]
+    paths = []
+    for seed, (good, bad) in enumerate([(teacher, half), (teacher, half)]):
+        path = tmp_path / f"{seed}.json"
+        path.write_text(json.dumps({"prompts": prompts, "teacher": teacher, "students": {
+            "2": {"before": [0.0] * 40, "after": {str(seed): good}},
+            "1": {"before": [0.0] * 40, "after": {str(seed): bad}}}}))
+        paths.append(str(path))
+    distill.join(paths, draws=2000)
+    out = capsys.readouterr().out
+    one, two = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert two.startswith("| 2 | 0 1 | 0.000 → 0.900 [0.900, 0.900] | 1.000 [1.000, 1.000] | 100% |"), two
+    ratio, interval = one.split(" | ")[3].split(" [")
+    low, high = map(float, interval.rstrip("]").split(", "))
+    assert abs(float(ratio) - 0.5 / 0.9) < 1e-3 and low < float(ratio) < high and high < 0.95, one
+    assert one.endswith("| 0% |"), one
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"prompts": prompts[::-1], "teacher": teacher, "students": {}}))
+    with pytest.raises(SystemExit, match="other held-out prompts"):
+        distill.join([paths[0], str(other)])
