@@ -66,6 +66,10 @@ class DMD2(ExpertModule):
         backward_simulation: the input of the student's exit step k is its own rollout from noise through steps
             0…k-1 (DMD2's backward simulation, as it serves); False = a teacher sample noised to σ_k (DMD2
             without it: the student then trains on inputs it never meets when it serves).
+        exit_steps: which of the student's steps the DMD and GAN terms score (and the critic learns from):
+            ``random`` (DMD2's and Self-Forcing's: one drawn each iteration, so every step's x̂0 is pushed toward
+            the teacher's distribution) or ``last`` (the served sample alone: the steps before it are only its
+            rollout, shaped by the regression term where it is on).
         teacher_sampler: the teacher's: its CFG scale guides the real score (the critic has none), and its many
             steps make the target ``validation_step`` compares with and the GAN's real samples; None =
             ``FlowMatchSampler`` with ``TEACHER_CFG``.
@@ -116,7 +120,8 @@ class DMD2(ExpertModule):
     """
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, student_steps: int = 4,
-                 backward_simulation: bool = True, teacher_sampler: Optional[FlowMatchSampler] = None,
+                 backward_simulation: bool = True, exit_steps: Literal["random", "last"] = "random",
+                 teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
                  gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0,
                  gan_blocks: tuple[int, ...] = (-1,), gan_reals: Literal["teacher", "data"] = "teacher",
@@ -169,7 +174,9 @@ class DMD2(ExpertModule):
                                              "pixels": "a patch discriminator on the decoded clips"}),
                    "gan_reals": (gan_reals, {"teacher": "teacher samples of the prompts",
                                              "data": "the batch's clips, DMD2's real images"}),
-                   "regression_steps": (regression_steps, {"first": "DMD's", "every": "CausVid's ODE regression"})}
+                   "regression_steps": (regression_steps, {"first": "DMD's", "every": "CausVid's ODE regression"}),
+                   "exit_steps": (exit_steps, {"random": "DMD2's, a step drawn each iteration",
+                                               "last": "the served sample alone"})}
         wrong = [name for name, (value, meanings) in choices.items() if value not in meanings]
         for name in wrong:
             value, meanings = choices[name]
@@ -205,7 +212,7 @@ class DMD2(ExpertModule):
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
-        self.backward_simulation = backward_simulation
+        self.backward_simulation, self.exit_steps = backward_simulation, exit_steps
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
@@ -243,12 +250,14 @@ class DMD2(ExpertModule):
         # the GAN head's real samples when they are the data's (first: data without clips fails before any step)
         data_reals = self.data_reals(batch) if self.gan and self.gan_reals == "data" else None
 
-        # 2. the student's few-step sample x̂0, stopped at a random exit step k (the same on every process); only
-        #    step k has grad, and only when the student updates. Step k's input: with backward simulation the
-        #    student's own rollout from noise (chunk by chunk for a block-causal student), as it serves; without,
-        #    a teacher sample noised to σ_k
+        # 2. the student's few-step sample x̂0, stopped at a random exit step k (the same on every process; the last
+        #    with exit_steps: last); only step k has grad, and only when the student updates. Step k's input: with
+        #    backward simulation the student's own rollout from noise (chunk by chunk for a block-causal student), as
+        #    it serves; without, a teacher sample noised to σ_k
         noise = torch.randn((len(prompts), *self.stage.latent_shape(self.video)), generator=self.generator)
         exit_step = int(torch.randint(self.sampler.num_steps, (1,), generator=self.shared_generator))
+        if self.exit_steps == "last":  # (drawn all the same: the stream stays that of the default)
+            exit_step = self.sampler.num_steps - 1
         with torch.set_grad_enabled(update_student):
             if self.backward_simulation or exit_step == 0:
                 x0 = self.stage.sample(self.sampler, noise.to(self.device), cond, uncond, name=self.student,

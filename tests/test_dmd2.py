@@ -24,7 +24,7 @@ from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.cards import Expert, ModelCard
 from posttrain.modules.gan import PixelDiscriminator, block_features, feature_dim, pooled_text
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.samplers import FlowMatchSampler, shift_sigmas
 from tests.conftest import TINY_WAN
 from tests.helpers import assert_one_metric_scheme, quick_trainer
 
@@ -375,6 +375,35 @@ def test_backward_simulation_feeds_the_student_its_own_rollout():
     later = [(x, sigma) for (x, sigma, _), in rollouts if sigma.max() < 1]
     assert later and all(abs(x.mean() - (1 - sigma.mean()) * 50) < 1 for x, sigma in later)
 
+
+def test_exit_steps_last_scores_the_served_sample_alone():
+    """``exit_steps: last``: every iteration the student rolls out all its 4 steps and only the last (the served
+    sample's, at the sampler's lowest σ) runs with grad; by default (DMD2's) the exit step is drawn, so some
+    iterations stop earlier, with grad on their exit step."""
+    def exits(module) -> list[tuple[int, float]]:  # per iteration: (student forwards, σ of the one with grad)
+        calls = []
+        module.configure_model()
+        module.card["transformer"].register_forward_hook(
+            lambda _m, _args, kwargs, out: calls.append((float(kwargs["timestep"].float().mean()) / 1000,
+                                                         torch.is_grad_enabled())), with_kwargs=True)
+        per_iteration = []
+        module.on_train_batch_start = lambda *a, real=module.on_train_batch_start: (
+            per_iteration.append(len(calls)), real(*a))[1]
+        quick_trainer(max_steps=6).fit(module, prompts())
+        bounds = per_iteration + [len(calls)]
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            rollout = calls[a:b]
+            graded = [sigma for sigma, grad in rollout if grad]
+            assert len(graded) == 1 and rollout[-1][1], rollout  # the exit step ends the rollout, with grad
+            out.append((len(rollout), round(graded[0], 3)))
+        return out
+
+    sigmas = shift_sigmas(torch.tensor([1.0, 0.75, 0.5, 0.25]), 3.0)  # student_sampler()'s steps
+    last = round(float(sigmas[-1]), 3)
+    assert exits(dmd2(ratio=1, exit_steps="last")) == [(4, last)] * 6
+    drawn = exits(dmd2(ratio=1))
+    assert any(n < 4 for n, _ in drawn) and all(sigma == round(float(sigmas[n - 1]), 3) for n, sigma in drawn)
 
 def test_gan_head_gets_gradient_only_from_the_terms_meant_for_it(monkeypatch):
     """GAN on, ratio 2, 4 iterations. The critic's update comes in two parts: flow matching, whose graph reaches
@@ -834,6 +863,9 @@ def test_bad_settings_name_the_option():
         dmd2(distill_card(critic=Expert(arch="umt5", trainable=True, optimizer=adam(1e-3))))
     with pytest.raises(ValueError, match=r"regression_steps='all' must be 'first' \(DMD's\) or 'every'"):
         dmd2(regression_steps="all")
+    with pytest.raises(ValueError, match=r"exit_steps='first' must be 'random' \(DMD2's, a step drawn each "
+                                         r"iteration\) or 'last' \(the served sample alone\)"):
+        dmd2(exit_steps="first")
     with pytest.raises(ValueError, match=r"student_steps=0 must be >= 1"):
         dmd2(student_steps=0)
     with pytest.raises(ValueError, match=r"student_steps=2 but sampler.step_sigmas=\[1.0, 0.75, 0.5, 0.25\] lists 4"):
