@@ -41,7 +41,7 @@ from posttrain.modules.cards import compile_in_place, to_channels_last  # noqa: 
 from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
 from posttrain.modules.geneval import SyntheticGenEval, judge, windows  # noqa: E402
 from posttrain.modules.media import grid  # noqa: E402
-from posttrain.modules.world import FACTS  # noqa: E402
+from posttrain.modules.world import FACTS, parse_caption  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -523,7 +523,8 @@ def join(paths: list[str], line: float = 0.95, draws: int = 10000) -> None:
     how near the teacher the students are: all four over seeds and prompts, its ratio to the teacher's on the same
     prompts, and that ratio's 95% interval from a paired bootstrap over both sources of chance — the prompts (teacher
     and students resampled together) and the fits (the seeds resampled) — with the share of draws at or above
-    ``line`` (the goal's 0.95 of the teacher)."""
+    ``line`` (the goal's 0.95 of the teacher); then all four by each value of each fact the prompts ask (where the
+    students fall short)."""
     runs = []
     for path in paths:
         with open(path) as f:
@@ -539,6 +540,7 @@ def join(paths: list[str], line: float = 0.95, draws: int = 10000) -> None:
           f"paired bootstrap draws of prompts and seeds\n")
     print(f"| student steps | seeds | all four: before → after, mean [min, max] of seeds | ratio to the teacher [95% "
           f"interval] | draws ≥ {line} |\n|---|---|---|---|---|")
+    breakdown = {}  # per step count, each prompt's all four over the seeds
     for n in sorted({n for run in runs for n in run["students"]}, key=int):
         after = {seed: v for run in runs if n in run["students"] for seed, v in run["students"][n]["after"].items()}
         before = next(run["students"][n]["before"] for run in runs if n in run["students"])
@@ -553,6 +555,16 @@ def join(paths: list[str], line: float = 0.95, draws: int = 10000) -> None:
         print(f"| {n} | {' '.join(seeds)} | {sum(before) / len(before):.3f} → {means.mean():.3f} "
               f"[{means.min():.3f}, {means.max():.3f}] | {means.mean() / teacher_t.mean():.3f} [{low:.3f}, {high:.3f}] "
               f"| {(ratio >= line).float().mean():.0%} |")
+        breakdown[n] = table.mean(0)
+    print("\nall four by what the prompt asks (prompts: teacher / each student, mean over its seeds):")
+    for fact in FACTS:
+        values = [getattr(parse_caption(prompt), fact) for prompt in prompts]
+        cells = []
+        for value in sorted(set(values)):
+            mask = torch.tensor([v == value for v in values])
+            cells.append(f"{value} ({int(mask.sum())}): {teacher_t[mask].mean():.3f} / " + " / ".join(
+                f"{n}-step {shown[mask].mean():.3f}" for n, shown in breakdown.items()))
+        print(f"- {fact}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":
