@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 from unittest import mock
 
 import torch
@@ -313,11 +314,15 @@ def main() -> None:
     parser.add_argument("--join", nargs="+", default=None, metavar="JSON", help="join --students --json files "
                         "(e.g. one process per seed) and report each student's ratio to the teacher with a paired "
                         "bootstrap interval over prompts and seeds (join())")
+    parser.add_argument("--baseline", nargs="+", default=None, metavar="JSON", help="with --join: another option's "
+                        "files on the same prompts; each student's difference from them, with its interval")
     parser.add_argument("--chunk-frames", type=int, default=None, help="with --per-chunk: the student's chunk "
                         "(latent frames; default: the config's sampler.chunk_frames)")
     args, overrides = parser.parse_known_args()  # the rest goes to the CLI, e.g. --model.init_args.gan_critic_weight 0
+    if args.baseline and not args.join:
+        parser.error("--baseline compares with the students of --join; add --join")
     if args.join:
-        return join(args.join)
+        return join(args.join, baseline=args.baseline)
     if args.per_chunk:
         if overrides:
             parser.error(f"--per-chunk takes no CLI overrides (got {overrides}); edit a copy of --config instead")
@@ -518,54 +523,82 @@ def students(args, overrides: list[str]) -> None:
         print(f"\nsamples of the first {min(4, len(prompts))} prompts: {args.grid}")
 
 
-def join(paths: list[str], line: float = 0.95, draws: int = 10000) -> None:
+def verdict_tables(paths: list[str], first: Optional[str] = None) -> tuple[list[str], torch.Tensor, dict]:
+    """The ``--students ... --json`` files ``paths`` (one process per seed) as (prompts, the teacher's verdicts,
+    {step count: (seeds, (seeds, prompts) verdicts, the start's verdicts)}); every file must be scored on the held-out
+    prompts and teacher of ``first`` (default: the first file)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    if first is None:
+        first, reference = paths[0], runs[0]
+    else:
+        with open(first) as f:
+            reference = json.load(f)
+    for path, run in zip(paths, runs):
+        if run["prompts"] != reference["prompts"] or run["teacher"] != reference["teacher"]:
+            raise SystemExit(f"--join: {path} was scored on other held-out prompts or another teacher than {first}; "
+                             f"join runs of one --prompts / --held-out-beyond and one teacher")
+    tables = {}
+    for n in sorted({n for run in runs for n in run["students"]}, key=int):
+        after = {seed: v for run in runs if n in run["students"] for seed, v in run["students"][n]["after"].items()}
+        before = next(run["students"][n]["before"] for run in runs if n in run["students"])
+        seeds = sorted(after, key=int)
+        tables[n] = (seeds, torch.tensor([after[seed] for seed in seeds]), before)
+    return reference["prompts"], torch.tensor(reference["teacher"]), tables
+
+
+def bootstrap(table: torch.Tensor, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """All four of (seeds, prompts) ``table`` on each draw's prompts ``p`` (draws, prompts), its seeds resampled."""
+    k = torch.randint(table.shape[0], (p.shape[0], table.shape[0]), generator=g)
+    return table[k.unsqueeze(-1), p.unsqueeze(1)].mean((1, 2))
+
+
+def join(paths: list[str], line: float = 0.95, draws: int = 10000, baseline: Optional[list[str]] = None) -> None:
     """Join ``--students ... --json`` files (one process per seed) scored on one held-out set, and say per step count
     how near the teacher the students are: all four over seeds and prompts, its ratio to the teacher's on the same
     prompts, and that ratio's 95% interval from a paired bootstrap over both sources of chance — the prompts (teacher
     and students resampled together) and the fits (the seeds resampled) — with the share of draws at or above
     ``line`` (the goal's 0.95 of the teacher); then all four by each value of each fact the prompts ask (where the
-    students fall short)."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    prompts, teacher = runs[0]["prompts"], runs[0]["teacher"]
-    for path, run in zip(paths, runs):
-        if run["prompts"] != prompts or run["teacher"] != teacher:
-            raise SystemExit(f"--join: {path} was scored on other held-out prompts or another teacher than {paths[0]}; "
-                             f"join runs of one --prompts / --held-out-beyond and one teacher")
-    teacher_t = torch.tensor(teacher)
+    students fall short). With ``baseline`` (another option's files on the same prompts): each student's difference
+    from the baseline's, its interval from the same draws (the prompts paired, each side's seeds resampled)."""
+    prompts, teacher, tables = verdict_tables(paths)
     g = torch.Generator().manual_seed(0)
-    print(f"{len(prompts)} held-out prompts; the teacher's all four {teacher_t.mean():.3f}; 95% intervals from {draws} "
+    print(f"{len(prompts)} held-out prompts; the teacher's all four {teacher.mean():.3f}; 95% intervals from {draws} "
           f"paired bootstrap draws of prompts and seeds\n")
     print(f"| student steps | seeds | all four: before → after, mean [min, max] of seeds | ratio to the teacher [95% "
           f"interval] | draws ≥ {line} |\n|---|---|---|---|---|")
-    breakdown = {}  # per step count, each prompt's all four over the seeds
-    for n in sorted({n for run in runs for n in run["students"]}, key=int):
-        after = {seed: v for run in runs if n in run["students"] for seed, v in run["students"][n]["after"].items()}
-        before = next(run["students"][n]["before"] for run in runs if n in run["students"])
-        seeds = sorted(after, key=int)
-        table = torch.tensor([after[seed] for seed in seeds])  # (seeds, prompts)
+    against = verdict_tables(baseline, first=paths[0])[2] if baseline else {}
+    differences = []
+    for n, (seeds, table, before) in tables.items():
         p = torch.randint(len(prompts), (draws, len(prompts)), generator=g)
-        k = torch.randint(len(seeds), (draws, len(seeds)), generator=g)
-        students = table[k.unsqueeze(-1), p.unsqueeze(1)].mean((1, 2))  # (draws,)
-        ratio = students / teacher_t[p].mean(1).clamp(min=1e-9)
+        students = bootstrap(table, p, g)
+        ratio = students / teacher[p].mean(1).clamp(min=1e-9)
         low, high = torch.quantile(ratio, torch.tensor([0.025, 0.975])).tolist()
         means = table.mean(1)
         print(f"| {n} | {' '.join(seeds)} | {sum(before) / len(before):.3f} → {means.mean():.3f} "
-              f"[{means.min():.3f}, {means.max():.3f}] | {means.mean() / teacher_t.mean():.3f} [{low:.3f}, {high:.3f}] "
+              f"[{means.min():.3f}, {means.max():.3f}] | {means.mean() / teacher.mean():.3f} [{low:.3f}, {high:.3f}] "
               f"| {(ratio >= line).float().mean():.0%} |")
-        breakdown[n] = table.mean(0)
+        if n in against:
+            base_seeds, base, _ = against[n]
+            gap = students - bootstrap(base, p, g)
+            low, high = torch.quantile(gap, torch.tensor([0.025, 0.975])).tolist()
+            differences.append(f"| {n} | {' '.join(base_seeds)} | {base.mean():.3f} | {table.mean() - base.mean():+.3f} "
+                               f"[{low:+.3f}, {high:+.3f}] | {(gap > 0).float().mean():.0%} |")
+    if differences:
+        print("\nagainst the baseline (--baseline), the same prompts:\n\n| student steps | baseline seeds | baseline all "
+              "four | difference [95% interval] | draws > 0 |\n|---|---|---|---|---|")
+        print("\n".join(differences))
     print("\nall four by what the prompt asks (prompts: teacher / each student, mean over its seeds):")
     for fact in FACTS:
         values = [getattr(parse_caption(prompt), fact) for prompt in prompts]
         cells = []
         for value in sorted(set(values)):
             mask = torch.tensor([v == value for v in values])
-            cells.append(f"{value} ({int(mask.sum())}): {teacher_t[mask].mean():.3f} / " + " / ".join(
-                f"{n}-step {shown[mask].mean():.3f}" for n, shown in breakdown.items()))
+            cells.append(f"{value} ({int(mask.sum())}): {teacher[mask].mean():.3f} / " + " / ".join(
+                f"{n}-step {table.mean(0)[mask].mean():.3f}" for n, (_, table, _) in tables.items()))
         print(f"- {fact}: " + "; ".join(cells))
-
 
 if __name__ == "__main__":
     main()

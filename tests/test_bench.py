@@ -454,8 +454,8 @@ def test_gan_pull_bench_follows_the_weight():
 def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, capsys):
     """``--join`` of per-seed ``--json`` files: a student that shows every prompt the teacher shows reads ratio 1 with
     every draw at or above the 0.95 line; one that misses half of them reads 0.5 with none; the interval brackets
-    the ratio; the breakdown by what the prompts ask gives each side's share. Files scored on other prompts are
-    refused by name."""
+    the ratio; the breakdown by what the prompts ask gives each side's share; against a baseline that shows half,
+    the difference is +0.4 with every draw above 0. Files scored on other prompts are refused by name."""
     import json
 
     import distill
@@ -479,6 +479,12 @@ def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, cap
     assert abs(float(ratio) - 0.5 / 0.9) < 1e-3 and low < float(ratio) < high and high < 0.95, one
     assert one.endswith("| 0% |"), one
     assert "- shape: circle (40): 0.900 / 1-step 0.500 / 2-step 0.900" in out  # by what the prompts ask
+    base = tmp_path / "base.json"  # a baseline whose 2-step student shows half the prompts
+    base.write_text(json.dumps({"prompts": prompts, "teacher": teacher, "students": {
+        "2": {"before": [0.0] * 40, "after": {"7": half}}}}))
+    distill.join(paths, draws=2000, baseline=[str(base)])
+    out = capsys.readouterr().out
+    assert "| 2 | 7 | 0.500 | +0.400 [+0." in out and out.count("| 100% |") == 2, out  # and no row for 1 step
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"prompts": prompts[::-1], "teacher": teacher, "students": {}}))
     with pytest.raises(SystemExit, match="other held-out prompts"):
