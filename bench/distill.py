@@ -527,15 +527,19 @@ def verdict_tables(paths: list[str], first: Optional[str] = None) -> tuple[list[
     """The ``--students ... --json`` files ``paths`` (one process per seed) as (prompts, the teacher's verdicts,
     {step count: (seeds, (seeds, prompts) verdicts, the start's verdicts)}); every file must be scored on the held-out
     prompts and teacher of ``first`` (default: the first file)."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    if first is None:
-        first, reference = paths[0], runs[0]
-    else:
-        with open(first) as f:
-            reference = json.load(f)
+    def read(path: str) -> dict:
+        try:
+            with open(path) as f:
+                run = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--join: cannot read {path}: {e}")
+        if not isinstance(run, dict) or not {"prompts", "teacher", "students"} <= run.keys():
+            raise SystemExit(f"--join: {path} is not a `--students ... --json` file (it lacks prompts, teacher or "
+                             f"students); write one with --students N --json {path}")
+        return run
+
+    runs = [read(path) for path in paths]
+    first, reference = (paths[0], runs[0]) if first is None else (first, read(first))
     for path, run in zip(paths, runs):
         if run["prompts"] != reference["prompts"] or run["teacher"] != reference["teacher"]:
             raise SystemExit(f"--join: {path} was scored on other held-out prompts or another teacher than {first}; "
@@ -599,6 +603,7 @@ def join(paths: list[str], line: float = 0.95, draws: int = 10000, baseline: Opt
             cells.append(f"{value} ({int(mask.sum())}): {teacher[mask].mean():.3f} / " + " / ".join(
                 f"{n}-step {table.mean(0)[mask].mean():.3f}" for n, (_, table, _) in tables.items()))
         print(f"- {fact}: " + "; ".join(cells))
+
 
 if __name__ == "__main__":
     main()

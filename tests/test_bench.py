@@ -453,9 +453,10 @@ def test_gan_pull_bench_follows_the_weight():
 # ---------------------------------------------------------------------- distill.py --join
 def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, capsys):
     """``--join`` of per-seed ``--json`` files: a student that shows every prompt the teacher shows reads ratio 1 with
-    every draw at or above the 0.95 line; one that misses half of them reads 0.5 with none; the interval brackets
+    every draw at or above the 0.95 line; one that shows half the prompts reads 0.5 / 0.9 with none; the interval brackets
     the ratio; the breakdown by what the prompts ask gives each side's share; against a baseline that shows half,
-    the difference is +0.4 with every draw above 0. Files scored on other prompts are refused by name."""
+    the difference is +0.4 with every draw above 0. Files scored on other prompts, and files of another kind, are
+    refused by name."""
     import json
 
     import distill
@@ -489,3 +490,7 @@ def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, cap
     other.write_text(json.dumps({"prompts": prompts[::-1], "teacher": teacher, "students": {}}))
     with pytest.raises(SystemExit, match="other held-out prompts"):
         distill.join([paths[0], str(other)])
+    chunks = tmp_path / "chunks.json"  # a --per-chunk file
+    chunks.write_text(json.dumps({"target": {}, "teacher_windows": [], "runs": {}}))
+    with pytest.raises(SystemExit, match=r"chunks.json is not a `--students ... --json` file"):
+        distill.join([str(chunks)])
