@@ -453,10 +453,10 @@ def test_gan_pull_bench_follows_the_weight():
 # ---------------------------------------------------------------------- distill.py --join
 def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, capsys):
     """``--join`` of per-seed ``--json`` files: a student that shows every prompt the teacher shows reads ratio 1 with
-    every draw at or above the 0.95 line; one that shows half the prompts reads 0.5 / 0.9 with none; the interval brackets
-    the ratio; the breakdown by what the prompts ask gives each side's share; against a baseline that shows half,
-    the difference is +0.4 with every draw above 0. Files scored on other prompts, and files of another kind, are
-    refused by name."""
+    every draw at or above the 0.95 line; one that shows half the prompts reads 0.5 / 0.9 with none; the interval
+    brackets the ratio; the breakdown by what the prompts ask gives each side's share; against a baseline that shows
+    half, the difference is +0.4 with every draw above 0. Files scored on other prompts, and files of another kind,
+    are refused by name."""
     import json
 
     import distill
