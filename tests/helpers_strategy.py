@@ -11,7 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
@@ -20,6 +20,7 @@ from lightning.pytorch import Callback
 import launch
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.cards import ModelCard
+from posttrain.modules.checkpoints import load as load_checkpoint
 from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
 from tests.conftest import TINY_WAN
 
@@ -84,6 +85,26 @@ def fit(config_path: str, *args: str, timeout: int = 240,
                             max_file_bytes=max_file_bytes)
 
 
+def last(folder: str) -> str:
+    """The last checkpoint of a run written by ``config(folder, ...)``."""
+    return os.path.join(folder, "ckpt", "last.ckpt")
+
+
+def kill_and_resume(folder: str, between: Optional[Callable[[str], None]] = None, **settings) -> str:
+    """``config(folder, **settings)`` killed in every process after iteration 3 (its last checkpoint: iteration 2),
+    ``between(folder)`` then (to read that checkpoint), and resumed with ``--ckpt_path last`` to iteration 4."""
+    kill = [{"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}}]
+    killed = fit(config(folder, **{**settings, "callbacks": [*settings.get("callbacks", []), *kill]}))
+    assert killed.returncode != 0, "the kill switch did not fire"
+    assert load_checkpoint(last(folder), gather=False)["global_step"] == 2
+    if between is not None:
+        between(folder)
+    resumed = fit(config(folder, **settings), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert load_checkpoint(last(folder), gather=False)["global_step"] == 4  # iterations, not engine or optimizer steps
+    return folder
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -128,8 +149,6 @@ def fit_on_nodes(config_path: str, launcher: str, nodes: int = 2, timeout: int =
 
 def weights(ckpt: str, component: str) -> dict[str, torch.Tensor]:
     """``component``'s full weights from a ``.ckpt`` file or a sharded checkpoint folder."""
-    from posttrain.modules.checkpoints import load as load_checkpoint
-
     prefix = f"card.models.{component}."
     state = load_checkpoint(ckpt)["state_dict"]
     return {k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)}

@@ -933,25 +933,20 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
                "transformer": h.expert(3, init_from="teacher", optimizer=adam, preset=WIDE_DEEP),
                "critic": h.expert(None, init_from="teacher", optimizer=adam)}
 
-    def config(folder, kill=False):
-        callbacks = [{"class_path": "helpers_strategy.RecordExitSteps", "init_args": {"folder": folder}},
-                     {"class_path": "helpers_strategy.RecordStudentGap", "init_args": {"folder": folder}}]
-        if kill:
-            callbacks.append({"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}})
-        return h.config(folder, zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, callbacks=callbacks,
-                        sampler=sampler, generator_update_ratio=2,
-                        teacher_sampler={"class_path": "posttrain.modules.samplers.FlowMatchSampler",
-                                         "init_args": {"num_steps": 2}})
+    settings = dict(zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, sampler=sampler,
+                    generator_update_ratio=2, teacher_sampler={
+                        "class_path": "posttrain.modules.samplers.FlowMatchSampler", "init_args": {"num_steps": 2}})
+
+    def records(folder):
+        return [{"class_path": f"helpers_strategy.{record}", "init_args": {"folder": folder}}
+                for record in ("RecordExitSteps", "RecordStudentGap")]
 
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    result = h.fit(config(full))
+    result = h.fit(h.config(full, callbacks=records(full), **settings))
     assert result.returncode == 0, result.stderr[-6000:]
-    killed = h.fit(config(resumed, kill=True))
-    assert killed.returncode != 0, "the kill switch did not fire"
-    result = h.fit(config(resumed), "--ckpt_path", "last")
-    assert result.returncode == 0, result.stderr[-6000:]
+    h.kill_and_resume(resumed, callbacks=records(resumed), **settings)
 
-    a, b = os.path.join(full, "ckpt", "last.ckpt"), os.path.join(resumed, "ckpt", "last.ckpt")
+    a, b = h.last(full), h.last(resumed)
     state_a = checkpoints.load(a)
     state_b = checkpoints.load(b)
     assert state_a["global_step"] == state_b["global_step"] == 4
@@ -979,7 +974,6 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
     assert rank0 == rank1 and len([line for line in rank0 if line]) == 4
 
 
-
 def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_bitwise(tmp_path):
     """The pixel GAN head (spectral norms: their weights reparametrized, their power-iteration vectors buffers) on a
     critic sharded by ZeRO-3 over 2 processes, the student under DDP: the head's weights and vectors are in the
@@ -994,24 +988,18 @@ def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_
                "transformer": h.expert(None, init_from="teacher", optimizer=adam),
                "critic": h.expert(3, init_from="teacher", optimizer=adam)}
 
-    def config(folder, kill=False):
-        callbacks = [{"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}}] if kill else []
-        return h.config(folder, zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, callbacks=callbacks,
-                        student_steps=2, generator_update_ratio=2, gan_space="pixels", gan_critic_weight=1e-2,
-                        gan_generator_weight=3e-3,
-                        teacher_sampler={"class_path": "posttrain.modules.samplers.FlowMatchSampler",
-                                         "init_args": {"num_steps": 2}})
+    settings = dict(zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, student_steps=2,
+                    generator_update_ratio=2, gan_space="pixels", gan_critic_weight=1e-2, gan_generator_weight=3e-3,
+                    teacher_sampler={"class_path": "posttrain.modules.samplers.FlowMatchSampler",
+                                     "init_args": {"num_steps": 2}})
 
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    result = h.fit(config(full))
+    result = h.fit(h.config(full, **settings))
     assert result.returncode == 0, result.stderr[-6000:]
-    killed = h.fit(config(resumed, kill=True))
-    assert killed.returncode != 0, "the kill switch did not fire"
-    at_2 = h.weights(os.path.join(resumed, "ckpt", "last.ckpt"), "critic")  # the killed run's last: iteration 2
-    result = h.fit(config(resumed), "--ckpt_path", "last")
-    assert result.returncode == 0, result.stderr[-6000:]
+    at_2 = {}  # the critic in the killed run's last checkpoint: iteration 2
+    h.kill_and_resume(resumed, between=lambda folder: at_2.update(h.weights(h.last(folder), "critic")), **settings)
 
-    a, b = os.path.join(full, "ckpt", "last.ckpt"), os.path.join(resumed, "ckpt", "last.ckpt")
+    a, b = h.last(full), h.last(resumed)
     assert os.path.isdir(os.path.join(a, "critic", "zero"))
     assert checkpoints.load(a)["global_step"] == checkpoints.load(b)["global_step"] == 4
     for name in ("transformer", "critic"):
@@ -1022,6 +1010,7 @@ def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_
     assert any(k.endswith("parametrizations.weight.0._u") for k in head)
     assert head.keys() <= at_2.keys() and all(v.abs().sum() > 0 for v in head.values())
     assert differs(head, {k: at_2[k] for k in head}) > 0
+
 
 # ---------------------------------------------------------------------- learning, against the pretrained world's teacher
 def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int = 16):

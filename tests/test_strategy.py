@@ -61,10 +61,6 @@ def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("strategy_runs"))
 
 
-def last(folder: str) -> str:
-    return os.path.join(folder, "ckpt", "last.ckpt")
-
-
 def resuming(folder):
     """The checkpoint callback the runs were written with (Lightning restores its state on resume), saving into
     ``folder``: a resumed fit leaves the shared runs as written."""
@@ -90,7 +86,7 @@ def assert_equal(a: dict, b: dict) -> None:
 def test_zero_matches_ddp(runs, stage):
     """ZeRO-2/3 finetune ends where plain DDP does: generator and its EMA (a sync plan that gathers
     ZeRO-3 shards). The generator moved (it differs from its lagging EMA)."""
-    ddp, zero = last(runs["ddp"]), last(runs[stage])
+    ddp, zero = h.last(runs["ddp"]), h.last(runs[stage])
     assert not os.path.exists(os.path.join(ddp, "sharded.json")) and os.path.isfile(os.path.join(zero, "sharded.json"))
     for component in ("transformer", "transformer_ema"):
         assert_close(h.weights(zero, component), h.weights(ddp, component), atol=5e-5)
@@ -105,35 +101,20 @@ def test_zero_matches_ddp(runs, stage):
 
 
 # ---------------------------------------------------------------------- exact resume
-def kill_and_resume(tmp_path, **kwargs) -> str:
-    """Kill every process after iteration 3 (last checkpoint: iteration 2), resume with ``last``."""
-    folder = str(tmp_path / "resumed")
-    kill = [{"class_path": "helpers_strategy.KillAfter", "init_args": {"iteration": 3}}]
-    killed = h.fit(h.config(folder, **{**kwargs, "callbacks": [*kwargs.get("callbacks", []), *kill]}))
-    assert killed.returncode != 0, "the kill switch did not fire"
-    state = checkpoints.load(last(folder), gather=False)
-    assert state["global_step"] == 2
-    resumed = h.fit(h.config(folder, **kwargs), "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stderr[-6000:]
-    state = checkpoints.load(last(folder), gather=False)
-    assert state["global_step"] == 4  # iterations, not engine or optimizer steps
-    return folder
-
-
 def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
     """TwoExperts: ``transformer`` in a ZeRO-3 engine, ``critic`` under DDP, each with its optimizer.
     The critic lives in the Lightning state (DDP ignores only the engine's parameters); a run killed
     after iteration 3 and resumed from iteration 2 ends bitwise equal to the uninterrupted one."""
-    full = last(runs["two"])
+    full = h.last(runs["two"])
     state = checkpoints.load(full, gather=False)  # the Lightning state as written (no shards gathered into it)
     keys = state["state_dict"].keys()
     assert any(k.startswith("card.models.critic.") for k in keys)
     assert not any(k.startswith("card.models.transformer.") for k in keys)
     assert len(state["optimizer_states"]) == 1  # the critic's; the transformer's is in its ZeRO shards
     assert state["posttrain_versions"]["critic"] == 4 and state["posttrain_versions"]["transformer"] == 4
-    folder = kill_and_resume(tmp_path, **RUNS["two"])
+    folder = h.kill_and_resume(str(tmp_path / "resumed"), **RUNS["two"])
     for component in ("transformer", "critic"):
-        assert_equal(h.weights(last(folder), component), h.weights(full, component))
+        assert_equal(h.weights(h.last(folder), component), h.weights(full, component))
 
 
 # ---------------------------------------------------------------------- multi-node
@@ -147,7 +128,7 @@ def test_two_nodes_train_as_one_world(runs, tmp_path, launcher):
     done = h.fit_on_nodes(h.config(folder, zero_stage=2, max_steps=2, devices=1, num_nodes=2, ema_decay=0.9), launcher)
     for node, result in enumerate(done):
         assert result.returncode == 0, f"node {node} failed:\n{result.stderr[-5000:]}"
-    ckpt = last(folder)
+    ckpt = h.last(folder)
     with open(os.path.join(ckpt, "sharded.json")) as f:
         assert yaml.safe_load(f)["transformer"]["world_size"] == 2
     one_node = os.path.join(runs["z2"], "ckpt", ".last", "epoch=0-step=2.ckpt")
@@ -162,18 +143,18 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
     from posttrain.lit.tools.cli import main
 
     out = str(tmp_path / "exported")
-    main(["export", "--ckpt", last(runs["z3"]), "--out", out, "--expert", "transformer"])  # the whole pipeline
+    main(["export", "--ckpt", h.last(runs["z3"]), "--out", out, "--expert", "transformer"])  # the whole pipeline
     model = WanTransformer3DModel.from_pretrained(out, subfolder="transformer")
     exported = {k: v.float() for k, v in model.state_dict().items()}
-    assert_equal(exported, h.weights(last(runs["z3"]), "transformer"))
-    assert_close(exported, h.weights(last(runs["ddp"]), "transformer"), atol=5e-5)  # independent of zero_to_fp32
+    assert_equal(exported, h.weights(h.last(runs["z3"]), "transformer"))
+    assert_close(exported, h.weights(h.last(runs["ddp"]), "transformer"), atol=5e-5)  # independent of zero_to_fp32
 
 
 @pytest.mark.parametrize("tool", ["export", "estimate"])
 def test_the_tools_that_run_deepspeed_are_as_quiet_as_fit(runs, tmp_path, tool):
     """``export`` of a ZeRO checkpoint and ``estimate`` of a sharded config import DeepSpeed, which probes for an
     accelerator and warns that it fell back to the CPU unless told: the tools tell it (they run its CPU-side code)."""
-    args = ["export", "--ckpt", last(runs["z2"]), "--out", str(tmp_path / "out")] if tool == "export" else \
+    args = ["export", "--ckpt", h.last(runs["z2"]), "--out", str(tmp_path / "out")] if tool == "export" else \
         ["estimate", "--config", os.path.join(h.ROOT, "configs", "finetune_zero.yaml")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([h.ROOT, os.environ.get("PYTHONPATH", "")])}
     env.pop("DS_ACCELERATOR", None)
@@ -304,7 +285,7 @@ def one_process():
 
 def test_resume_with_other_stage_is_refused(runs, one_process, tmp_path):
     with pytest.raises(ValueError, match=r"expert 'transformer': checkpoint has ZeRO stage 3, this run 2"):
-        _fit_in_process(card(2), one_process(), ckpt_path=last(runs["z3"]), callbacks=[resuming(tmp_path)])
+        _fit_in_process(card(2), one_process(), ckpt_path=h.last(runs["z3"]), callbacks=[resuming(tmp_path)])
 
 
 @pytest.mark.parametrize("stage", ["z2", "z3"])
@@ -353,7 +334,7 @@ def test_resume_with_other_expert_set_is_refused(runs, one_process, tmp_path):
     """The DDP-run card (transformer not sharded) differs from the ZeRO-3 checkpoint's."""
     with pytest.raises(ValueError, match=r"expert 'transformer' differs: checkpoint .*'sharded': True"), \
             pytest.warns(UserWarning, match=r"no expert has `sharded: true`; every expert runs under plain DDP"):
-        _fit_in_process(card(None), one_process(), ckpt_path=last(runs["z3"]), callbacks=[resuming(tmp_path)])
+        _fit_in_process(card(None), one_process(), ckpt_path=h.last(runs["z3"]), callbacks=[resuming(tmp_path)])
 
 
 def test_frozen_zero3_expert_bf16_and_offload(one_process):
@@ -506,12 +487,12 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
     from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
 
     ckpt = str(tmp_path / "last.ckpt")
-    shutil.copytree(last(runs["z3"]), ckpt)
+    shutil.copytree(h.last(runs["z3"]), ckpt)
     shards = os.path.join(ckpt, "transformer")
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                     os.path.join(shards, "zero"), "--output_folder", os.path.join(shards, "zero_universal")],
                    check=True, capture_output=True)
-    saved = h.weights(last(runs["z3"]), "transformer")
+    saved = h.weights(h.last(runs["z3"]), "transformer")
     loaded = {}
 
     class Loaded(Callback):
