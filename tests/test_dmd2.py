@@ -1057,8 +1057,9 @@ def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     On the 64 training captions the config had until stop 53: 100 iterations (20 student updates) draw each of 64
     captions about six times; over the config's 256, one and a half times, they do not yet move these 16 prompts
     (measured: Fréchet 0.60 -> 0.66, all four 0.69 -> 0.69)."""
-    anchor = ["--data.init_args.num_synthetic", "64", "--model.init_args.generator_update_ratio", "5", "--model.init_args.gan_generator_weight", "0",
-              "--model.init_args.gan_critic_weight", "0", "--model.init_args.regression_weight", "0",
+    anchor = ["--data.init_args.num_synthetic", "64", "--model.init_args.generator_update_ratio", "5",
+              "--model.init_args.gan_generator_weight", "0", "--model.init_args.gan_critic_weight", "0",
+              "--model.init_args.regression_weight", "0",
               "--model.init_args.sampler.init_args.scheduler.init_args.shift", "3.0",
               "--model.init_args.real_guidance_scale", "4.5", "--model.init_args.shift", "3.0"]
     _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 100, *anchor)
