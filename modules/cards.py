@@ -82,6 +82,13 @@ class Expert:
     # whose decoder normalises over channels (bench/decode.py)
     channels_last: bool = False
 
+    def __post_init__(self):
+        # `--…experts.NAME.init_from null` on the command line reaches a dict-valued card as the string 'None'
+        # (jsonargparse 4.x, through the model's class_path); read it, and 'null', as the null it was
+        for key in ("pretrained", "subfolder", "tokenizer", "init_from", "attention_backend"):
+            if getattr(self, key) in ("None", "null"):
+                setattr(self, key, None)
+
 
 def dtype_of(name: str) -> torch.dtype:
     """An ``Expert.dtype`` name as a torch dtype."""
@@ -162,6 +169,10 @@ class ModelCard(nn.Module):
                 problems.append(f"expert {name!r}: {err}; give a local folder or remove `pretrained`")
             if spec.lora is not None and not spec.trainable:
                 problems.append(f"expert {name!r} has a LoRA adapter but trainable=false")
+            if spec.init_from is not None and spec.pretrained is not None:
+                problems.append(f"expert {name!r}: both pretrained={spec.pretrained!r} and init_from={spec.init_from!r}; "
+                                f"init_from would copy {spec.init_from!r}'s weights over the folder's. Keep one (on the "
+                                f"command line: --model.init_args.card.experts.{name}.init_from null)")
             if spec.init_from is not None:
                 source = self.specs.get(spec.init_from)
                 if source is None or spec.init_from == name:

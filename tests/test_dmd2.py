@@ -1079,3 +1079,46 @@ def test_the_one_step_student_comes_closer_to_the_teacher(tmp_path):
     _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 150, "--model.init_args.student_steps", "1")
     assert after["frechet"] < 0.5 * before["frechet"] and after["latent_mse"] < before["latent_mse"], (before, after)
     assert after["colour"] >= before["colour"] + 0.2 and after["motion"] >= before["motion"] + 0.2, (before, after)
+
+
+def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path):
+    """The progressive recipe (README, docs/distill/dmd2.md): stage 1 fits configs/dmd2.yaml's 4-step student and
+    `posttrain export --expert transformer --pipeline false` writes it; stage 2 runs the same config with
+    `student_steps: 2` and the student `pretrained:` that folder, `init_from: null` (flags, so the card's other
+    experts stay as the config has them). Stage 2's student starts bitwise where stage 1's ended, its critic starts
+    from the teacher again (not stage 1's critic), and it samples on the 2-step list."""
+    import os
+    import sys
+    from unittest import mock
+
+    from posttrain.lit.tools.config import PosttrainCLI
+    from posttrain.lit.tools.export import export
+
+    def cli(root: str, *args: str) -> PosttrainCLI:
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
+            return PosttrainCLI(args=["--config", "configs/dmd2.yaml", "--trainer.default_root_dir", root,
+                                      "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                                      "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
+                                      "--trainer.max_steps", "2", "--data.init_args.num_synthetic", "4",
+                                      "--model.init_args.gan_critic_weight", "0",
+                                      "--model.init_args.gan_generator_weight", "0",
+                                      "--model.init_args.run.height", "16",
+                                      "--model.init_args.run.width", "16", *args], run=False)
+
+    first = cli(str(tmp_path / "stage1"), "--model.init_args.student_steps", "4")
+    first.trainer.fit(first.model, datamodule=first.datamodule)
+    trained = weights(first.model, "transformer")
+    assert differs(trained, weights(first.model, "teacher")) > 0  # stage 1 moved its student
+    ckpt = str(tmp_path / "stage1.ckpt")
+    first.trainer.save_checkpoint(ckpt)
+    folder = export(ckpt, str(tmp_path / "student"), expert="transformer", pipeline=False)
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+
+    second = cli(str(tmp_path / "stage2"), "--model.init_args.student_steps", "2",
+                 "--model.init_args.card.experts.transformer.pretrained", folder,
+                 "--model.init_args.card.experts.transformer.init_from", "null")
+    module = second.model
+    module.configure_model()
+    assert differs(weights(module, "transformer"), trained) == 0
+    assert differs(weights(module, "critic"), weights(module, "teacher")) == 0
+    assert module.sampler.step_sigmas == [1.0, 0.5]

@@ -91,6 +91,21 @@ def test_pretrained_folder_of_the_wrong_class(tmp_path):
         card.build()
 
 
+def test_pretrained_and_init_from_together_are_refused_by_name(tmp_path):
+    """init_from copies another expert's weights after the build, so beside `pretrained:` it would silently replace
+    the folder's weights (a progressive DMD2 stage whose student came back as the teacher): refused, naming both and
+    the command-line flag that drops one, which arrives through jsonargparse as the string 'None' and is read as
+    null (tests/test_dmd2.py's progressive test runs that flag)."""
+    build_model("wan_t2v").save_pretrained(tmp_path / "wan")
+    experts = {"teacher": Expert(arch="wan_t2v"),
+               "transformer": Expert(arch="wan_t2v", pretrained=str(tmp_path / "wan"), init_from="teacher")}
+    with pytest.raises(ValueError, match=r"'transformer': both pretrained=.* and init_from='teacher'.*"
+                                         r"experts\.transformer\.init_from null"):
+        ModelCard(experts=experts)
+    assert Expert(arch="wan_t2v", init_from="None").init_from is None
+    assert Expert(arch="wan_t2v", pretrained="null").pretrained is None
+
+
 def test_nan_loss_skips_the_step_then_stops(tmp_path):
     """From iteration 3 the transformer's loss is NaN: its step is skipped (weights stay those after
     iteration 2, finite), the critic keeps training, and the run stops after max_nan_steps=2 in a row."""
