@@ -1013,28 +1013,28 @@ def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_
 
 
 # ---------------------------------------------------------------------- learning, against the pretrained world's teacher
+def distill_bench():
+    """bench/distill.py as a module: its ``bench_cli`` (a config's CLI, unrun, models built) and its measures."""
+    import importlib
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("distill")
+
+
 def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int = 16):
     """``config`` for ``steps`` iterations in this process; the student's samples of seen-concept prompts
     measured against the teacher's many-step CFG samples of the same prompts and noise before and after
     (bench/distill.py's measure). Returns (module, before, after, student weights before)."""
-    import os
-    import sys
-    from unittest import mock
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from distill import closeness, samples
-
     from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-    from posttrain.lit.tools.config import PosttrainCLI
 
-    with mock.patch.object(sys, "argv", sys.argv[:1]):
-        cli = PosttrainCLI(args=["--config", config, "--trainer.default_root_dir", str(tmp_path),
-                                 "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-                                 "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
-                                 "--trainer.max_steps", str(steps), *args], run=False)
+    distill = distill_bench()
+    closeness, samples = distill.closeness, distill.samples
+    cli = distill.bench_cli(config, str(tmp_path), steps, *args)
     module = cli.model
-    module.configure_model()
-    module.eval()
     data = ShapesDataset(prompts, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
     captions = [data[i]["prompt"] for i in range(prompts)]
     teacher = samples(module, captions, module.teacher_sampler, "teacher", 8)
@@ -1088,24 +1088,18 @@ def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path)
     experts stay as the config has them). Stage 2's student starts bitwise where stage 1's ended, its critic starts
     from the teacher again (not stage 1's critic), and it samples on the 2-step list."""
     import os
-    import sys
-    from unittest import mock
 
-    from posttrain.lit.tools.config import PosttrainCLI
     from posttrain.lit.tools.export import export
 
-    def cli(root: str, *args: str) -> PosttrainCLI:
-        with mock.patch.object(sys, "argv", sys.argv[:1]):
-            return PosttrainCLI(args=["--config", "configs/dmd2.yaml", "--trainer.default_root_dir", root,
-                                      "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-                                      "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
-                                      "--trainer.max_steps", "2", "--data.init_args.num_synthetic", "4",
-                                      "--model.init_args.gan_critic_weight", "0",
-                                      "--model.init_args.gan_generator_weight", "0",
-                                      "--model.init_args.run.height", "16",
-                                      "--model.init_args.run.width", "16", *args], run=False)
+    def cli(root: str, *args: str):
+        return distill_bench().bench_cli("configs/dmd2.yaml", root, 2, "--data.init_args.num_synthetic", "4",
+                                         "--model.init_args.gan_critic_weight", "0",
+                                         "--model.init_args.gan_generator_weight", "0",
+                                         "--model.init_args.run.height", "16", "--model.init_args.run.width", "16",
+                                         *args)
 
     first = cli(str(tmp_path / "stage1"), "--model.init_args.student_steps", "4")
+    first.model.train()
     first.trainer.fit(first.model, datamodule=first.datamodule)
     trained = weights(first.model, "transformer")
     assert differs(trained, weights(first.model, "teacher")) > 0  # stage 1 moved its student
@@ -1118,7 +1112,6 @@ def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path)
                  "--model.init_args.card.experts.transformer.pretrained", folder,
                  "--model.init_args.card.experts.transformer.init_from", "null")
     module = second.model
-    module.configure_model()
     assert differs(weights(module, "transformer"), trained) == 0
     assert differs(weights(module, "critic"), weights(module, "teacher")) == 0
     assert module.sampler.step_sigmas == [1.0, 0.5]
