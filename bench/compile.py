@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from timing import compare, interleave  # noqa: E402
 
-from posttrain.modules import presets  # noqa: E402
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
+from posttrain.modules.models import presets  # noqa: E402
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas# noqa: E402
 
 
 def stepper(model: torch.nn.Module, batch: int, device: str):

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from timing import compare, interleave  # noqa: E402
 
-from posttrain.modules import vae as codec  # noqa: E402
-from posttrain.modules.cards import Expert, ModelCard  # noqa: E402
+from posttrain.modules.models import vae as codec  # noqa: E402
+from posttrain.modules.models.cards import Expert, ModelCard  # noqa: E402
 
 
 def main() -> None:

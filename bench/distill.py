@@ -6,7 +6,7 @@ its samples come to the teacher's many-step CFG samples, before and after ``fit`
    included, alternated in blocks (``timing.py``); the ratio with its interval.
 2. Closeness, on ``--prompts`` seen-concept synthetic captions with fixed seeds, each set against the teacher's
    many-step CFG samples of the same prompts and noise: the Fréchet VAE distance of the frames
-   (``modules/frechet.py``), the latent MSE from the same noise, and synthetic GenEval of each set (the teacher's
+   (``modules/eval/frechet.py``), the latent MSE from the same noise, and synthetic GenEval of each set (the teacher's
    own is the target). Rows: the teacher run with the student's few steps (whole video at once), the student
    before training (it starts from the teacher's weights: for DMD2 the same samples as the row above, for
    Self-Forcing the teacher's weights run chunk by chunk with the KV cache) and after ``fit`` of the config in
@@ -38,11 +38,11 @@ from timing import compare, interleave  # noqa: E402
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset  # noqa: E402
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
-from posttrain.modules.cards import compile_in_place, to_channels_last  # noqa: E402
-from posttrain.modules.frechet import VideoFrechetDistance  # noqa: E402
-from posttrain.modules.geneval import SyntheticGenEval, judge, windows  # noqa: E402
-from posttrain.modules.media import grid  # noqa: E402
-from posttrain.modules.world import FACTS, parse_caption  # noqa: E402
+from posttrain.modules.models.cards import compile_in_place, to_channels_last  # noqa: E402
+from posttrain.modules.eval.frechet import VideoFrechetDistance  # noqa: E402
+from posttrain.modules.world.geneval import SyntheticGenEval, judge, windows  # noqa: E402
+from posttrain.modules.io.media import grid  # noqa: E402
+from posttrain.modules.world.world import FACTS, parse_caption  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

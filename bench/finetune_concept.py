@@ -33,9 +33,9 @@ import yaml
 from posttrain.callbacks.samples import DEFAULT_PROMPTS
 from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.lit.tools.config import PosttrainCLI
-from posttrain.modules.geneval import SyntheticGenEval, read_facts
-from posttrain.modules.media import to_frames
-from posttrain.modules.world import caption, parse_caption, render
+from posttrain.modules.world.geneval import SyntheticGenEval, read_facts
+from posttrain.modules.io.media import to_frames
+from posttrain.modules.world.world import caption, parse_caption, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHEET_SEED = 0  # SampleVideos' seed: the first two rows are the run's sample GIFs (same prompts, same noise)

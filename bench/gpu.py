@@ -48,12 +48,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from posttrain.lit.dmd2 import student_sampler  # noqa: E402
-from posttrain.modules.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
-from posttrain.modules.conditioning import Conditioning  # noqa: E402
-from posttrain.modules.generators import ADAPTERS, GeneratorStage, VideoSize  # noqa: E402
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
-from posttrain.modules.rollout import Rollout, train_steps  # noqa: E402
-from posttrain.modules.samplers import FlowMatchSampler  # noqa: E402
+from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
+from posttrain.modules.flow.conditioning import Conditioning  # noqa: E402
+from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize  # noqa: E402
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas# noqa: E402
+from posttrain.modules.rl.rollout import Rollout, train_steps  # noqa: E402
+from posttrain.modules.flow.samplers import FlowMatchSampler  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B-Diffusers (transformer/config.json)

@@ -22,8 +22,8 @@ import time
 import torch
 from diffusers import WanTransformer3DModel
 
-from posttrain.modules.causal_wan import CausalWanTransformer3DModel
-from posttrain.modules.presets import PRESETS
+from posttrain.modules.models.causal_wan import CausalWanTransformer3DModel
+from posttrain.modules.models.presets import PRESETS
 
 SIGMAS = [1.0, 0.75, 0.5, 0.25, 0.0]  # Self-Forcing's 4-step list (t = 1000, 750, 500, 250), Euler to 0
 

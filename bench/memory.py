@@ -109,7 +109,7 @@ def build(mode: str, args, precision: str):
     from diffusers import WanTransformer3DModel
 
     from posttrain.lit.engine.strategy import deepspeed_config  # the configuration the strategy gives a sharded expert
-    from posttrain.modules.cards import Expert, ZeroConfig
+    from posttrain.modules.models.cards import Expert, ZeroConfig
 
     config = preset(args.layers, args.heads, args.head_dim)
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from gpu import TINY, WAN_1_3B  # noqa: E402
 from timing import compare, interleave  # noqa: E402
-from posttrain.modules import presets  # noqa: E402
+from posttrain.modules.models import presets  # noqa: E402
 
 
 def optimizers(params: list[torch.nn.Parameter]) -> tuple[torch.optim.AdamW, torch.optim.AdamW]:

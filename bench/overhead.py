@@ -32,8 +32,8 @@ import torch  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
-from posttrain.modules import vae as vae_codec  # noqa: E402
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas  # noqa: E402
+from posttrain.modules.models import vae as vae_codec  # noqa: E402
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas# noqa: E402
 from timing import Blocks, compare  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "finetune.yaml")

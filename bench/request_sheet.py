@@ -42,7 +42,7 @@ def serve(module, requests) -> tuple[torch.Tensor, list[str]]:
 
 
 def main() -> None:
-    from posttrain.modules import checkpoints
+    from posttrain.modules.io import checkpoints
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("method", choices=[m for m, spec in METHODS.items() if spec.kind == "requests"])

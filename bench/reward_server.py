@@ -30,8 +30,8 @@ from lightning.pytorch import Callback, Trainer
 
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.config import instantiate_part, parse
-from posttrain.modules.remote import RemoteReward
-from posttrain.modules.rewards import score
+from posttrain.modules.rewards.remote import RemoteReward
+from posttrain.modules.rewards.base import score
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import compare, interleave  # noqa: E402
@@ -55,7 +55,7 @@ def start_server(reward: str, reward_path: str | None) -> tuple[subprocess.Popen
 
 
 def local_reward(name: str, path: str | None):
-    import posttrain.modules.preference as preference
+    import posttrain.modules.rewards.preference as preference
     import posttrain.modules.rewards as rewards
 
     cls = getattr(rewards, name, None) or getattr(preference, name)
@@ -77,8 +77,8 @@ class IterationTimes(Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reward", default="SyntheticGenEvalReward", help="a reward class of modules/rewards.py or "
-                        "modules/preference.py")
+    parser.add_argument("--reward", default="SyntheticGenEvalReward", help="a reward class of modules/rewards/ or "
+                        "modules/rewards/preference.py")
     parser.add_argument("--reward-path", default=None, help="its folder (PickScore, HPSv21, LaionAesthetic)")
     parser.add_argument("--batch", type=int, default=16, help="videos per reward call")
     parser.add_argument("--size", type=int, nargs=3, default=(5, 32, 32), metavar=("F", "H", "W"))

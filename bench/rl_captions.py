@@ -33,9 +33,9 @@ from lightning.pytorch import Callback
 
 from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.lit.tools.config import PosttrainCLI
-from posttrain.modules.frechet import VideoFrechetDistance
-from posttrain.modules.geneval import judge
-from posttrain.modules.world import FACTS, caption
+from posttrain.modules.eval.frechet import VideoFrechetDistance
+from posttrain.modules.world.geneval import judge
+from posttrain.modules.world.world import FACTS, caption
 
 EVAL_SEED = 4242  # caption seed of the evaluation (training draws captions with its data seed 0, 1, 2, ...)
 NOISE_SEED = 770_000  # first noise seed of the evaluation (training noise comes from the method's own generator)
@@ -187,7 +187,7 @@ def sheet(path: str, prompts: list[str], before: torch.Tensor, after: torch.Tens
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from posttrain.modules.geneval import judge_facts
+    from posttrain.modules.world.geneval import judge_facts
 
     verdicts = [judge(videos, prompts) if facts is None else judge_facts(videos, facts) for videos in (before, after)]
     shown = [torch.stack([v[f] for f in FACTS], 1).nan_to_num(1.0).eq(1).all(1) for v in verdicts]

@@ -73,7 +73,7 @@ class EvalSet:
     def __init__(self, num: int = EVAL_PROMPTS, frames: int = 5, height: int = 32, width: int = 32):
         from posttrain.datamodules.requests import RequestDataset
         from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-        from posttrain.modules.world import caption
+        from posttrain.modules.world.world import caption
 
         self.requests = {name: [RequestDataset(num, seed=EVAL_SEED, split=split, exclude=PRETRAIN_EXCLUDE).request(i)
                                 for i in range(num)] for name, split in (("seen", "train"), ("paraphrase", "eval"))}
@@ -84,8 +84,8 @@ class EvalSet:
 
 
 def geneval_of(videos: list[torch.Tensor], facts) -> dict[str, float]:
-    from posttrain.modules.geneval import judge_facts
-    from posttrain.modules.requests import accuracy
+    from posttrain.modules.world.geneval import judge_facts
+    from posttrain.modules.world.requests import accuracy
 
     verdicts = judge_facts(torch.cat(videos), facts)
     return accuracy(verdicts)
@@ -96,9 +96,9 @@ def evaluate(module, kind: str, data: EvalSet) -> dict[str, float]:
     """The scores of one point of a curve (module docstring)."""
     from posttrain.lit.base import ExpertModule
     from posttrain.lit.joint_rl import JointRL
-    from posttrain.modules.frechet import VideoFrechetDistance
-    from posttrain.modules.requests import CONCERN_TEMPLATES, accuracy, refine, rewrite_verdicts
-    from posttrain.modules.world import parse_caption
+    from posttrain.modules.eval.frechet import VideoFrechetDistance
+    from posttrain.modules.world.requests import CONCERN_TEMPLATES, accuracy, refine, rewrite_verdicts
+    from posttrain.modules.world.world import parse_caption
 
     was_training = module.training
     module.eval()

@@ -27,10 +27,10 @@ import torch
 
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.generators import GeneratorStage, VideoSize
-from posttrain.modules.rollout import Rollout
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.generators import GeneratorStage, VideoSize
+from posttrain.modules.rl.rollout import Rollout
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import compare, interleave  # noqa: E402

@@ -2,7 +2,7 @@
 
 Two processes over gloo hold the same Wan transformer twice: ``whole``, with which each process runs the whole
 sample alone (sequence parallelism 1: what a process of plain data parallelism holds), and ``shared``, under
-diffusers' Ulysses context parallelism over both processes (``modules/sequence_parallel.py``, the code
+diffusers' Ulysses context parallelism over both processes (``modules/models/sequence_parallel.py``, the code
 ``ShardedExpertsStrategy(sequence_parallel: 2)`` runs: each process holds half of the sample's tokens, half of the
 heads inside attention). Both run one generator step (forward, then backward of a squared-output loss) on the same
 video and text; the inputs are the shapes ``posttrain estimate`` traces for a finetune config of this transformer
@@ -124,8 +124,8 @@ def peak_bytes(model, inputs) -> int:
 
 def worker(rank: int, args, shapes: dict, out) -> None:
     from posttrain.lit.tools.estimate import _inputs
-    from posttrain.modules import presets
-    from posttrain.modules.sequence_parallel import enable_sequence_parallel, sequence_mesh
+    from posttrain.modules.models import presets
+    from posttrain.modules.models.sequence_parallel import enable_sequence_parallel, sequence_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)

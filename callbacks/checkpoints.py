@@ -3,7 +3,7 @@
 Lightning's ``ModelCheckpoint`` with these changes (same arguments; configs name
 ``posttrain.callbacks.checkpoints.ModelCheckpoint``):
 
-- every checkpoint is a folder written by ``posttrain.modules.checkpoints`` (temporary name, fsync, manifest,
+- every checkpoint is a folder written by ``posttrain.modules.io.checkpoints`` (temporary name, fsync, manifest,
   rename), so a kill never leaves a torn checkpoint where a resume would read it;
 - ``last.ckpt`` is a symlink switched atomically to the newest checkpoint (to the top-k checkpoint of that
   iteration, or to a hidden ``.last/`` one when none was written); a rerun never writes ``last-v1.ckpt``;
@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from posttrain.modules import checkpoints as ckpt
+from posttrain.modules.io import checkpoints as ckpt
 
 
 class ModelCheckpoint(LightningModelCheckpoint):

@@ -17,10 +17,10 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
 
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules.frechet import VideoFrechetDistance
-from posttrain.modules.geneval import SyntheticGenEval, read_facts
-from posttrain.modules.media import gif_bytes
-from posttrain.modules.world import caption
+from posttrain.modules.eval.frechet import VideoFrechetDistance
+from posttrain.modules.world.geneval import SyntheticGenEval, read_facts
+from posttrain.modules.io.media import gif_bytes
+from posttrain.modules.world.world import caption
 
 METRICS = ("geneval", "frechet", "clip_score")
 
@@ -70,7 +70,7 @@ class Evaluate(Callback):
         if "clip_score" in self.metrics:
             if clip is None:
                 raise ValueError("Evaluate: metric clip_score needs `clip:`, a local transformers CLIP folder")
-            from posttrain.modules.clip import clip_score_metric
+            from posttrain.modules.rewards.clip import clip_score_metric
 
             self._clip = clip_score_metric(clip)  # a folder that cannot serve stops here, before training
 
@@ -127,7 +127,7 @@ class Evaluate(Callback):
                 frechet.update(real[start:start + self.batch_size].to(videos), real=True)
                 frechet.update(videos.clamp(-1, 1), real=False)
             if clip is not None:
-                from posttrain.modules.clip import to_uint8
+                from posttrain.modules.rewards.clip import to_uint8
 
                 picks = torch.linspace(0, videos.shape[2] - 1, min(4, videos.shape[2])).round().long().tolist()
                 for f in picks:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import Callback
 
-from posttrain.modules.precomputed import mismatches
+from posttrain.modules.io.precomputed import mismatches
 
 
 class PrecomputedRows(Callback):

@@ -7,7 +7,7 @@ from typing import Optional
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
 
-from posttrain.modules.media import gif_bytes, slug, write_media
+from posttrain.modules.io.media import gif_bytes, slug, write_media
 
 DEFAULT_PROMPTS = ("a red circle moving left on a blue background",
                    "a yellow square moving down on a magenta background")

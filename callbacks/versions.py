@@ -1,12 +1,12 @@
 """Weight versions through a run: after each iteration the versions of the experts that stepped are bumped and
-their sync plans run (``posttrain.modules.versions``); versions are logged as ``train/version/<component>`` and
+their sync plans run (``posttrain.modules.models.versions``); versions are logged as ``train/version/<component>`` and
 travel in checkpoints.
 """
 from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from posttrain.modules.versions import bump
+from posttrain.modules.models.versions import bump
 
 
 class WeightVersions(Callback):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from posttrain.modules.media import slug, write_media
+from posttrain.modules.io.media import slug, write_media
 
 
 class MediaWriter(BasePredictionWriter):

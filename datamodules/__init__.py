@@ -1,7 +1,7 @@
 """LightningDataModules: synthetic shape videos (the default), a folder of your videos, prompt lists, user
 requests of the synthetic world with their facts, rows precomputed by ``posttrain preprocess``. Every item follows
 one batch schema (``prompt``, ``index``, the group key ``group``, and the media), documented in
-``posttrain.modules.batch``."""
+``posttrain.modules.io.batch``."""
 from posttrain.datamodules.folder import VideoFolder
 from posttrain.datamodules.precomputed import PrecomputedVideos
 from posttrain.datamodules.prompts import Prompts

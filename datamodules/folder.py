@@ -32,11 +32,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
-from posttrain.modules import batch as batch_schema
-from posttrain.modules import presets
-from posttrain.modules import vae as vae_codec
-from posttrain.modules.cache import file_hash
-from posttrain.modules.cards import Expert, freeze
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models import presets
+from posttrain.modules.models import vae as vae_codec
+from posttrain.modules.models.cache import file_hash
+from posttrain.modules.models.cards import Expert, freeze
 
 VIDEO_EXTS = (".mp4", ".mov", ".webm", ".mkv", ".gif")
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")
@@ -202,7 +202,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 class FolderDataset(Dataset):
-    """Items of a folder in the batch schema (``modules/batch.py``), with ``video`` or ``latents``."""
+    """Items of a folder in the batch schema (``modules/io/batch.py``), with ``video`` or ``latents``."""
 
     def __init__(self, items: list[tuple[str, str]], frames: int, height: int, width: int, frame_stride: int,
                  repeat_images: bool, latents: Optional[list[str]] = None):

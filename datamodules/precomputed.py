@@ -16,8 +16,8 @@ from typing import Optional
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.precomputed import PrecomputedSplit, read_manifest
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.io.precomputed import PrecomputedSplit, read_manifest
 
 
 class PrecomputedDataset(Dataset):

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules import batch as batch_schema
+from posttrain.modules.io import batch as batch_schema
 
 
 PROMPT_LINE = ('each line is one JSON object, keys and strings in double quotes: {"prompt": "a red circle moving left '

@@ -1,10 +1,10 @@
-"""User requests of the synthetic world with the facts they ask for (``modules/requests.py``), for RL.
+"""User requests of the synthetic world with the facts they ask for (``modules/world/requests.py``), for RL.
 
 Request ``index`` asks for the facts of synthetic video ``index`` (``ShapesDataset.facts``: the same
 seed gives the same facts, ``exclude``/``include`` filter them as for the videos) and is written in the
 split's words and templates from its own generator, so every request is a pure function of
 ``(seed, index, split)``. A batch carries, beside the schema's ``prompt`` (the request), ``index`` and ``group``
-(``posttrain.modules.batch``), the canonical ``caption`` and one string per fact
+(``posttrain.modules.io.batch``), the canonical ``caption`` and one string per fact
 (``shape``, ``colour``, ``background``, ``motion``; ``""`` where the request leaves the fact out), which
 ``modules.requests.facts_from_batch`` turns back into ``Facts`` for ``IntentReward``.
 """
@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.requests import write_request
-from posttrain.modules.world import FACTS, Facts
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.world.requests import write_request
+from posttrain.modules.world.world import FACTS, Facts
 
 
 class RequestDataset(Dataset):

@@ -3,7 +3,7 @@
 Every sample is a pure function of ``(seed, index)``: a shape (circle, square or triangle) of one
 colour moves in one direction over a background of another, and the caption names all four facts,
 e.g. ``"a red circle moving left on a blue background"`` (the world itself, its renderer and its
-vocabulary live in ``modules/world.py``; ``modules/geneval.py`` reads the facts back from pixels).
+vocabulary live in ``modules/world/world.py``; ``modules/world/geneval.py`` reads the facts back from pixels).
 
 Concepts can be held out: ``exclude`` drops every sample that shows one of the listed values, and
 ``include`` keeps only samples that show at least one. A value is a word (``"magenta"``: as shape
@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, SPEED, Facts, caption, parse_caption, render
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.world.world import FACTS, MOTIONS, PALETTE, SHAPES, SPEED, Facts, caption, parse_caption, render
 
 COLOURS = PALETTE  # the name this module has always exported
 # What the shipped generator (modules/assets/wan_t2v) was pretrained without: no magenta anywhere.

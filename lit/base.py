@@ -33,13 +33,13 @@ from posttrain.callbacks.versions import WeightVersions
 from posttrain.lit.engine.log_cadence import DeferredLogging
 from posttrain.lit.engine.resume import ExactResume
 from posttrain.lit.engine.startup import check_trainer
-from posttrain.modules import batch as batch_schema
-from posttrain.modules import presets
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.distributed import any_rank
-from posttrain.modules.generators import GeneratorStage, VideoSize
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.versions import SyncPlan, constant
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.models.distributed import any_rank
+from posttrain.modules.models.generators import GeneratorStage, VideoSize
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.models.versions import SyncPlan, constant
 
 # Frozen experts are in eval mode on purpose (no dropout: the same input gives the same output); Lightning
 # warns about any module in eval mode when fit starts. This filter drops exactly that warning.

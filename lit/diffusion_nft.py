@@ -6,7 +6,7 @@ are kept and scored. The advantage becomes an optimality probability r ∈ [0, 1
 by flow matching on freshly noised samples through an implicit positive policy (weighted by r) and an
 implicit negative one (weighted by 1-r), plus a KL of its velocity to a frozen reference. After each
 step ``old`` is decay-blended toward the policy by a sync plan the versions callback runs, so ``old``
-has its own version. Math: METHODS.md (diffusion_nft), ``modules/losses.py``.
+has its own version. Math: METHODS.md (diffusion_nft), ``modules/flow/losses.py``.
 
     posttrain fit --config configs/diffusion_nft.yaml
 """
@@ -18,14 +18,16 @@ from typing import Literal, Optional
 import torch
 
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.grpo import GRPOArgs, train_rows
-from posttrain.modules.losses import nft_loss, nft_old_decay, nft_reward_weight, noised, sample_sigmas
-from posttrain.modules.rewards import ColourAlignment, Reward, score
-from posttrain.modules.rollout import Rollout
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.versions import SyncPlan
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs, train_rows
+from posttrain.modules.rl.losses import nft_loss, nft_old_decay, nft_reward_weight
+from posttrain.modules.flow.losses import noised, sample_sigmas
+from posttrain.modules.rewards.synthetic import ColourAlignment
+from posttrain.modules.rewards.base import Reward, score
+from posttrain.modules.rl.rollout import Rollout
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.models.versions import SyncPlan
 
 
 class DiffusionNFT(ExpertModule):
@@ -119,7 +121,7 @@ class DiffusionNFT(ExpertModule):
         r = nft_reward_weight(advantages, grpo.adv_clip)
 
         # 4. positive / implicit-negative flow matching on freshly noised samples (+ reference KL), on the
-        #    rows with signal (modules/grpo.py's rule)
+        #    rows with signal (modules/rl/grpo.py's rule)
         keep = train_rows(advantages, self.any_rank, self.trainer.world_size > 1, grpo.drop_zero_advantage)
         loss = torch.zeros((), device=self.device)
         metrics_seen = []

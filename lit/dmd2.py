@@ -10,18 +10,18 @@ distribution by flow matching on its detached samples. The student moves along `
 normalized per sample. The critic steps every iteration; the student only on every
 ``generator_update_ratio``-th, and on the others its loss is not computed at all (this is DMD2's
 two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
-on the critic's last-block features (``modules/gan.py``) learns teacher samples (real; ``gan_reals: data``: the
+on the critic's last-block features (``modules/distill/gan.py``) learns teacher samples (real; ``gan_reals: data``: the
 batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the
 student adds the non-saturating loss of its x̂0 through the frozen critic and head (``gan_generator_weight``;
 ``gan_space: pixels``: the head is a patch discriminator on the VAE-decoded clips instead);
 ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's (their gradient norms there, weights included:
 whether the GAN term does anything at the weights given). With ``regression_weight`` > 0, the first DMD's
 regression loss: the student's first step maps a teacher pair's noise to the teacher's sample from it. Math:
-METHODS.md (dmd2), ``modules/losses.py``.
+METHODS.md (dmd2), ``modules/flow/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
 Diffusion", reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; METHODS.md
-self_forcing) is this algorithm with a block-causal student (``arch: wan_t2v_causal``, ``modules/causal_wan.py``,
+self_forcing) is this algorithm with a block-causal student (``arch: wan_t2v_causal``, ``modules/models/causal_wan.py``,
 started from the bidirectional teacher's weights) and a sampler that rolls it out chunk by chunk
 (``sampler.chunk_frames``): each chunk through the few-step list while attending to the finished chunks in a KV
 cache, each finished chunk re-run at σ = 0 without grad to fill the cache, the exit step (drawn alike on every
@@ -42,12 +42,12 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.gan import HEAD, attach_head, block_features, frozen, pooled_text, tapped
-from posttrain.modules.losses import (dmd_generator_loss, flow_matching_loss, gan_critic_loss, gan_generator_loss,
-                                      noised, sample_sigmas, x0_from_velocity)
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.distill.gan import HEAD, attach_head, block_features, frozen, pooled_text, tapped
+from posttrain.modules.distill.losses import dmd_generator_loss, gan_critic_loss, gan_generator_loss
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas, x0_from_velocity
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 TEACHER_CFG = 4.5  # DMD2's anchor guidance of the real score: the default teacher sampler's
 
@@ -85,7 +85,7 @@ class DMD2(ExpertModule):
         gan_blocks: the critic's blocks whose output features the head reads, concatenated per token (-1 = the
             last, DMD2's bottleneck; several = a discriminator on several depths, as LADD's heads).
         gan_space: where the head looks: ``critic`` (the critic's block features, DMD2's) or ``pixels`` (a 3-D
-            PatchGAN on the VAE-decoded clips, conditioned on the prompt by projection, ``modules/gan.py``: reals
+            PatchGAN on the VAE-decoded clips, conditioned on the prompt by projection, ``modules/distill/gan.py``: reals
             decoded as the student's samples are, the student's loss through the frozen decoder to its x̂0; not
             noised, spectral norm; ``gan_blocks`` unused).
         gan_reals: what the head learns as real: ``teacher`` (one teacher sample per training prompt,

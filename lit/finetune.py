@@ -4,7 +4,7 @@ Regress the transformer's velocity onto ``ε - x0`` at a random noise level σ (
 et al. 2024, "Scaling Rectified Flow Transformers", logit-normal σ as in SD3/Wan training), with
 conditioning from the frozen text encoders (cached by prompt hash and encoder version) and, for an
 image-to-video generator, from each video's own first frame (Wan I2V's training setup). Any generator
-of ``modules/generators/``: Wan T2V on videos, FLUX on images (one-frame videos), Wan I2V on videos.
+of ``modules/models/generators/``: Wan T2V on videos, FLUX on images (one-frame videos), Wan I2V on videos.
 Optional EMA of the generator, kept by a sync plan and used for sampling.
 
     posttrain fit --config configs/finetune.yaml          # Wan T2V
@@ -18,10 +18,10 @@ from typing import Literal, Optional
 import torch
 
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.generators import VideoSize
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.models.generators import VideoSize
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 
 class Finetune(ExpertModule):

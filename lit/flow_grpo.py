@@ -5,8 +5,8 @@ Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL" (refer
 step, capturing each step's log p; they are decoded, scored, and each sample's advantage is its reward
 normalized within its group. The generator is updated by PPO-clip on a fraction of the steps plus a
 KL of the step means to a frozen reference, which carries gradient. One iteration = one rollout batch
-and its updates. Math: METHODS.md (flow_grpo), ``modules/grpo.py`` (the settings, which rows train),
-``modules/rollout.py``, ``modules/losses.py``.
+and its updates. Math: METHODS.md (flow_grpo), ``modules/rl/grpo.py`` (the settings, which rows train),
+``modules/rl/rollout.py``, ``modules/flow/losses.py``.
 
     posttrain fit --config configs/flow_grpo.yaml
 """
@@ -18,12 +18,13 @@ import torch
 
 from posttrain.callbacks.parity import report_rollout
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.grpo import GRPOArgs, sde_problems, train_rows
-from posttrain.modules.rewards import ColourAlignment, Reward, score
-from posttrain.modules.rollout import Rollout, mean_metrics, train_steps
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
+from posttrain.modules.rewards.synthetic import ColourAlignment
+from posttrain.modules.rewards.base import Reward, score
+from posttrain.modules.rl.rollout import Rollout, mean_metrics, train_steps
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 
 class FlowGRPO(ExpertModule):
@@ -85,7 +86,7 @@ class FlowGRPO(ExpertModule):
 
         # 6. PPO-clip + KL to the reference, on a fraction of the SDE steps, per minibatch; each step's
         #    loss is backed up before the next step runs (activation memory of one step). Rows with A = 0
-        #    are left out (under DDP: modules/grpo.py's rule)
+        #    are left out (under DDP: modules/rl/grpo.py's rule)
         keep = train_rows(advantages, self.any_rank, self.trainer.world_size > 1, grpo.drop_zero_advantage)
         metrics: dict[str, list[torch.Tensor]] = {}
         for _ in range(grpo.num_inner_epochs):

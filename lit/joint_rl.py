@@ -5,7 +5,7 @@ refiner LM samples its own refinement of the request (token log-probs captured);
 refiner order, into the prompt the generator is served (``mode: rewrite``: it replaces the request; ``append``:
 it follows it; with ``concerns`` each refiner writes one part of the caption, ``requests.compose_concerns``);
 the other s = ``num_skip_refinement`` samples are served the request verbatim, so the group contrasts refined
-against unrefined. The reward scores what the user asked (the batch's facts, ``modules/intent.py``), never the
+against unrefined. The reward scores what the user asked (the batch's facts, ``modules/rewards/intent.py``), never the
 served text. All K roll out with the sampler's
 SDE step (log p captured), are decoded and scored by one reward; group advantages follow. Each
 refiner is updated by the token policy gradient ``-(A·exp(lp - sg(lp)))`` plus a k3 KL to its frozen
@@ -14,7 +14,7 @@ reference. ``credit: per_expert`` gives refiner i the advantage of its own rewar
 ``joint: false`` freezes the generator (ODE rollout, no optimizer: prompt-only RL, RePrompt); refiners with
 ``trainable: false`` are served frozen (generator-only RL through the refiner). Each expert has its own optimizer
 and learning rate; one iteration = one prompt batch, whatever N. Math: METHODS.md (joint_rl),
-``modules/refiners.py``, ``modules/rollout.py``.
+``modules/models/refiners.py``, ``modules/rl/rollout.py``.
 
     posttrain fit --config configs/joint_rl.yaml          # N = 3 on requests, one concern each, per-expert credit
     posttrain fit --config configs/unified_rl.yaml        # N = 1 on requests (UniRL / PromptRL)
@@ -29,16 +29,17 @@ from lightning.pytorch.loggers import WandbLogger
 
 from posttrain.callbacks.parity import report_rollout
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.grpo import GRPOArgs, sde_problems, train_rows
-from posttrain.modules.refiners import Refinements, refiner_c2_gap, refiner_loss, sample_refinements
-from posttrain.modules.requests import CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, facts_from_batch, \
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
+from posttrain.modules.models.refiners import Refinements, refiner_c2_gap, refiner_loss, sample_refinements
+from posttrain.modules.world.requests import CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, facts_from_batch, \
     refinement_tokens, serve
-from posttrain.modules.world import FACTS
-from posttrain.modules.rewards import ColourAlignment, Reward, RewardOutput, credited_term, score, term_problems
-from posttrain.modules.rollout import Rollout, mean_metrics, train_steps
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.world.world import FACTS
+from posttrain.modules.rewards.synthetic import ColourAlignment
+from posttrain.modules.rewards.base import Reward, RewardOutput, credited_term, score, term_problems
+from posttrain.modules.rl.rollout import Rollout, mean_metrics, train_steps
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 
 class JointRL(ExpertModule):
@@ -196,7 +197,7 @@ class JointRL(ExpertModule):
             self.step_experts(torch.stack(refiner_losses).sum(), stepping)
 
         # 5. update generator: Flow-GRPO PPO-clip on the refined samples, credited by the total advantage
-        #    (or by its own term's, ``generator_term``); rows with A = 0 are left out (modules/grpo.py's rule)
+        #    (or by its own term's, ``generator_term``); rows with A = 0 are left out (modules/rl/grpo.py's rule)
         if self.joint:
             keep = train_rows(generator_advantages, self.any_rank, self.trainer.world_size > 1,
                               grpo.drop_zero_advantage, candidates=refined)

@@ -2,7 +2,7 @@
 
 Each stage is a generator of the card (``<stage>_transformer`` and its VAE and text encoders, its own
 sampler and size) or a group of refiner LMs; each one's output feeds the next one's conditioning
-(``modules/workflow.py``). ``predict`` returns every stage's output, and ``callbacks.MediaWriter`` writes
+(``modules/rl/workflow.py``). ``predict`` returns every stage's output, and ``callbacks.MediaWriter`` writes
 each generator stage's images (PNG) and videos under a folder of the stage's name.
 
     posttrain predict --config configs/workflow_t2i_i2v.yaml
@@ -15,9 +15,9 @@ from typing import Any, Optional
 import torch
 
 from posttrain.lit.base import ExpertModule, RunArgs, stage_serving_settings
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.workflow import Stage, StageOutput, WorkflowPlan
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.rl.workflow import Stage, StageOutput, WorkflowPlan
 
 
 class Workflow(ExpertModule):

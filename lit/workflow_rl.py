@@ -2,7 +2,7 @@
 
 METHODS.md (workflow_rl). Stages in order — optionally refiner LMs, then a text-to-image generator
 (FLUX), then an image-to-video generator (Wan I2V) — each with its own sampler, experts, optimizer and
-version (``modules/workflow.py``). Per prompt, K samples flow through the whole chain: every trainable
+version (``modules/rl/workflow.py``). Per prompt, K samples flow through the whole chain: every trainable
 stage rolls out with the SDE step of its own sampler and captures its per-step log p (refiners: token
 log p); a frozen stage (``trainable: false``) runs its ODE. The I2V stage's conditioning image is the T2I
 stage's sampled image, fixed context for the I2V policy: no gradient flows from one stage into another,
@@ -26,13 +26,14 @@ import torch
 from posttrain.callbacks.parity import report_rollout
 from posttrain.lit.base import RunArgs
 from posttrain.lit.workflow import Workflow
-from posttrain.modules import batch as batch_schema
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.grpo import GRPOArgs, sde_problems, train_rows
-from posttrain.modules.refiners import Refinements, compose_prompt, refiner_c2_gap, refiner_loss, sample_refinements
-from posttrain.modules.rewards import ColourAlignment, Reward, credited_term, score, term_problems
-from posttrain.modules.rollout import Rollout, mean_metrics, train_steps
-from posttrain.modules.workflow import Stage
+from posttrain.modules.io import batch as batch_schema
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
+from posttrain.modules.models.refiners import Refinements, compose_prompt, refiner_c2_gap, refiner_loss, sample_refinements
+from posttrain.modules.rewards.synthetic import ColourAlignment
+from posttrain.modules.rewards.base import Reward, credited_term, score, term_problems
+from posttrain.modules.rl.rollout import Rollout, mean_metrics, train_steps
+from posttrain.modules.rl.workflow import Stage
 
 
 class WorkflowRL(Workflow):
@@ -143,7 +144,7 @@ class WorkflowRL(Workflow):
 
     def _update_generator(self, stage: Stage, rollout: Rollout, advantages: torch.Tensor) -> None:
         """Flow-GRPO on the stage's own rollout: PPO-clip on a fraction of its SDE steps + KL to its reference,
-        on the rows with signal (modules/grpo.py's rule); each step's loss is backed up before the next one runs."""
+        on the rows with signal (modules/rl/grpo.py's rule); each step's loss is backed up before the next one runs."""
         grpo, policy = self.grpo, rollout.stage.transformer
         keep = train_rows(advantages, self.any_rank, self.trainer.world_size > 1, grpo.drop_zero_advantage)
         self.log(f"train/kept_samples/{policy}", float(len(keep)), on_step=True)

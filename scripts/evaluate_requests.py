@@ -3,7 +3,7 @@ requests' canonical captions, scored on the request's facts (``IntentReward``'s 
 
 ``--prompts`` requests of the seen-concept facts (the shipped generator never saw magenta; facts of
 ``ShapesDataset(seed=2)``, as ``scripts/train_world.py --evaluate`` draws them) in two wordings with the same
-facts: ``seen`` (the training grammar of ``modules/requests.py``) and ``held_out`` (held-out words and
+facts: ``seen`` (the training grammar of ``modules/world/requests.py``) and ``held_out`` (held-out words and
 templates only). Each is served as the request itself, as its canonical caption and, with ``--refiner``, as
 the refiner's rewrite (greedy and sampled at ``--temperature``); a served text and its caption share their
 noise (batch ``i`` from seed ``i``), as ``train_world.py --evaluate`` samples: 20 Euler steps, shift 3, at
@@ -38,11 +38,11 @@ import torch
 
 from posttrain.datamodules.requests import RequestDataset
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE
-from posttrain.modules import presets
-from posttrain.modules.evaluation import generate
-from posttrain.modules.geneval import judge_facts
-from posttrain.modules.requests import REWRITE_TEMPLATE, accuracy, refine, rewrite_verdicts
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models import presets
+from posttrain.modules.eval.evaluation import generate
+from posttrain.modules.world.geneval import judge_facts
+from posttrain.modules.world.requests import REWRITE_TEMPLATE, accuracy, refine, rewrite_verdicts
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 SPLITS = {"seen": "train", "held_out": "eval"}
 

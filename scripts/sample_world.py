@@ -16,12 +16,12 @@ import os
 import torch
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-from posttrain.modules import presets
-from posttrain.modules.evaluation import generate
-from posttrain.modules.geneval import read_facts
-from posttrain.modules.media import grid, slug, write_media
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.world import caption, parse_caption, render
+from posttrain.modules.models import presets
+from posttrain.modules.eval.evaluation import generate
+from posttrain.modules.world.geneval import read_facts
+from posttrain.modules.io.media import grid, slug, write_media
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.world.world import caption, parse_caption, render
 
 
 def describe(video: torch.Tensor) -> str:

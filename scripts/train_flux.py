@@ -35,13 +35,13 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransf
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-from posttrain.modules import vae as vae_codec
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.generators import Flux, GeneratorStage, VideoSize, clip_pooled_embeds, t5_embeds
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
-from posttrain.modules.media import write_media
-from posttrain.modules.presets import PRESETS, build_tokenizer
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models import vae as vae_codec
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.generators import Flux, GeneratorStage, VideoSize, clip_pooled_embeds, t5_embeds
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.io.media import write_media
+from posttrain.modules.models.presets import PRESETS, build_tokenizer
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_flux_vae import image_geneval  # noqa: E402  (GenEval of what one frame shows)

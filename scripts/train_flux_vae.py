@@ -7,7 +7,7 @@ the *generator's* pretraining, never out of the codec). L1 + MSE reconstruction 
 ``scripts/train_vae.py`` trains the world's video VAE. Every ``--eval-every`` steps it prints how well
 held-out images' reconstructions read back (synthetic GenEval: shape, colour, background). At the end
 the latent statistics become FLUX's ``shift_factor``/``scaling_factor`` (z ↦ (z - shift)·scale has zero
-mean and unit variance), which ``modules/vae.py`` and FluxPipeline apply.
+mean and unit variance), which ``modules/models/vae.py`` and FluxPipeline apply.
 
     python scripts/train_flux_vae.py --out modules/assets/vae_kl     # TIME on 2 CPU cores
 
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules.geneval import SyntheticGenEval
-from posttrain.modules.presets import PRESETS
+from posttrain.modules.world.geneval import SyntheticGenEval
+from posttrain.modules.models.presets import PRESETS
 
 IMAGE_FACTS = ("shape", "colour", "background")
 

@@ -29,14 +29,14 @@ from diffusers import WanTransformer3DModel
 from torchmetrics.functional.image import peak_signal_noise_ratio
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-from posttrain.modules import vae as vae_codec
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.generators import GeneratorStage, VideoSize
-from posttrain.modules.geneval import SyntheticGenEval
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
-from posttrain.modules.media import write_media
-from posttrain.modules.presets import PRESETS, TRAINED_ASSETS
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models import vae as vae_codec
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.generators import GeneratorStage, VideoSize
+from posttrain.modules.world.geneval import SyntheticGenEval
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.io.media import write_media
+from posttrain.modules.models.presets import PRESETS, TRAINED_ASSETS
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 
 def init_from_t2v(transformer: WanTransformer3DModel, t2v_path: str) -> None:

@@ -2,7 +2,7 @@
 the generator reads, and, prompted with a concern, writes that concern alone (the N = 3 split).
 
 Supervised next-byte cross-entropy (``Qwen2ForCausalLM``'s own loss, on the completion only) on requests
-written on the fly (``modules/requests.py``) for facts drawn uniformly from the whole world, four tasks
+written on the fly (``modules/world/requests.py``) for facts drawn uniformly from the whole world, four tasks
 mixed: the full rewrite (context ``REWRITE_TEMPLATE`` = ``"{prompt}\\n"``, the default refiner template of
 joint RL; target ``canonical_caption``) with probability 1/2, and each concern (``CONCERN_TEMPLATES``, e.g.
 ``"colours: {prompt}\\n"``; target ``concern_target``, ``"red on blue"``) 1/6 each; every target ends with EOS.
@@ -55,12 +55,12 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.modules.presets import PRESETS, build_model, build_tokenizer
-from posttrain.modules.requests import (
+from posttrain.modules.models.presets import PRESETS, build_model, build_tokenizer
+from posttrain.modules.world.requests import (
     AMBIGUOUS, CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, Wording, accuracy, canonical_caption, concern_target,
     refine, rewrite_verdicts, wording, write_request,
 )
-from posttrain.modules.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts
+from posttrain.modules.world.world import FACTS, MOTIONS, PALETTE, SHAPES, Facts
 
 PRETRAIN_TEMPLATES = ("plain", "background_first", "in_colour", "motion_first")
 

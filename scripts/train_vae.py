@@ -36,7 +36,7 @@ the shipped codec's latent space, and a VAE from another run does not decode the
    (37.5 min on one thread beside another job): windows 0.94 / 0.89 / 0.89 / 0.98 / 0.95, the whole clip 0.94.
 
 Every ``--eval-every`` steps it prints how well ``--eval-videos`` held-out videos' reconstructions read
-back (``modules/geneval.py``).
+back (``modules/world/geneval.py``).
 
     python scripts/train_vae.py --out modules/assets/wan_vae     # TIME on 2 CPU cores
     python scripts/train_vae.py --stage decoder --codec runs/vae_codec --out modules/assets/wan_vae
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan
 
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules.geneval import SyntheticGenEval, windows
-from posttrain.modules.presets import PRESETS
+from posttrain.modules.world.geneval import SyntheticGenEval, windows
+from posttrain.modules.models.presets import PRESETS
 
 
 def held_out(args) -> tuple[torch.Tensor, list[str]]:
@@ -128,7 +128,7 @@ def train(vae: AutoencoderKLWan, params: list[torch.nn.Parameter], args, label: 
     vae.eval()
     if not restat:
         return history
-    # Per-channel latent statistics, as the real Wan VAE's config carries them (modules/vae.py normalizes).
+    # Per-channel latent statistics, as the real Wan VAE's config carries them (modules/models/vae.py normalizes).
     with torch.no_grad():
         z = vae.encode(held_videos[:64]).latent_dist.mode()
     vae.register_to_config(latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(),

@@ -56,14 +56,14 @@ from safetensors.torch import load_file, save_file
 from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-from posttrain.modules import vae as vae_codec
-from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.evaluation import evaluate_generator
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
-from posttrain.modules.presets import PRESETS, TRAINED_ASSETS, build_model
-from posttrain.modules.generators import ADAPTERS, wan_text_states, wan_tokens
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.world import PACE, SPEED
+from posttrain.modules.models import vae as vae_codec
+from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.eval.evaluation import evaluate_generator
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.models.presets import PRESETS, TRAINED_ASSETS, build_model
+from posttrain.modules.models.generators import ADAPTERS, wan_text_states, wan_tokens
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.world.world import PACE, SPEED
 
 
 def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str,

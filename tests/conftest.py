@@ -18,7 +18,7 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.models.cards import Expert, ModelCard
 
 
 def adamw(lr: float = 1e-3, **kwargs):

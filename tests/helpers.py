@@ -9,11 +9,11 @@ from typing import Optional
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from posttrain.modules.geneval import SyntheticGenEval, windows
-from posttrain.modules.rewards import Reward
+from posttrain.modules.world.geneval import SyntheticGenEval, windows
+from posttrain.modules.rewards.base import Reward
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.losses import flow_matching_loss, noised
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.flow.losses import flow_matching_loss, noised
 
 
 class TwoExperts(ExpertModule):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from posttrain.modules.geneval import SyntheticGenEval
+from posttrain.modules.world.geneval import SyntheticGenEval
 
 
 def gather_worker(rank: int, world: int, port: int, data_path: str, out: str) -> None:

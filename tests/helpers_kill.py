@@ -4,7 +4,7 @@ tests/test_kill_anywhere.py.
 A moment is one of
     ``iteration:<k>``            after iteration k (and its checkpoint, if one is due), before iteration k+1;
     ``write:<k>:<phase>``        inside the save of iteration k's checkpoint, at ``phase`` of the protocol in
-                                 ``posttrain.modules.checkpoints`` (``start``, ``bytes`` = lightning.pt half written,
+                                 ``posttrain.modules.io.checkpoints`` (``start``, ``bytes`` = lightning.pt half written,
                                  ``shards``, ``torn`` = a ZeRO shard file half written, ``state``, ``manifest``,
                                  ``committed``, ``linked``);
     ``resume:<phase>``           during a resume: ``verified`` (checkpoint verified, nothing loaded yet) or
@@ -41,7 +41,7 @@ class Chaos(Callback):
         self.byte_writes = 0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from posttrain.modules import checkpoints
+        from posttrain.modules.io import checkpoints
 
         self.trainer = trainer
         original = checkpoints.fault_point
@@ -127,7 +127,7 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 def checkpoint_contents(folder: str) -> dict[str, Any]:
     """Every file of a checkpoint folder, loaded (weights only, verified first); the Lightning state without
     the checkpoint callback's own bookkeeping (paths of this run's folder)."""
-    from posttrain.modules import checkpoints
+    from posttrain.modules.io import checkpoints
 
     checkpoints.verify(folder)
     contents: dict[str, Any] = {}

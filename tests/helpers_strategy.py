@@ -19,9 +19,9 @@ from lightning.pytorch import Callback
 
 import launch
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.checkpoints import load as load_checkpoint
-from posttrain.modules.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.io.checkpoints import load as load_checkpoint
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
 from tests.conftest import TINY_WAN
 
 HERE = os.path.dirname(os.path.abspath(__file__))

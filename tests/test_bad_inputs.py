@@ -12,7 +12,7 @@ import shutil
 import pytest
 import yaml
 
-from posttrain.modules import checkpoints as ckpt
+from posttrain.modules.io import checkpoints as ckpt
 from posttrain.lit.tools.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

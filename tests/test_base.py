@@ -6,8 +6,8 @@ import torch
 
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import ExpertModule, GradientLeakError, RunArgs
-from posttrain.modules.cards import Expert
-from posttrain.modules.losses import flow_matching_loss, noised
+from posttrain.modules.models.cards import Expert
+from posttrain.modules.flow.losses import flow_matching_loss, noised
 from tests.conftest import adamw, wan_card
 from tests.helpers import quick_trainer
 
@@ -163,7 +163,7 @@ def test_float16_mixed_precision_is_refused_with_the_fix():
 def test_embedding_cache_size_and_host_rows():
     """`cache_size` bounds the rows kept (least recently used go first); `cache_device: cpu` keeps them in host
     memory; rows keep the encoder's dtype."""
-    from posttrain.modules.generators import GeneratorStage
+    from posttrain.modules.models.generators import GeneratorStage
 
     card = wan_card(cache_size=2, cache_device="cpu")
     card.build()

@@ -1,4 +1,4 @@
-"""One batch schema every datamodule fills (modules/batch.py), read one way; the console's metric keys."""
+"""One batch schema every datamodule fills (modules/io/batch.py), read one way; the console's metric keys."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import torch
 from posttrain.callbacks.progress import IterationProgressBar
 from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import ShapesDataset, SyntheticVideos
-from posttrain.modules import batch as batch_schema
+from posttrain.modules.io import batch as batch_schema
 
 
 def loaders():

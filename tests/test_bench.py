@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loggers import Logger
 
 import launch
-from posttrain.modules.versions import SyncPlan, constant
+from posttrain.modules.models.versions import SyncPlan, constant
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import ExpertModule
 from posttrain.lit.finetune import Finetune
@@ -382,7 +382,7 @@ def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(t
     training and one broken by it are counted as such, whatever text was served."""
     from rl_captions import sheet
 
-    from posttrain.modules.world import Facts, render
+    from posttrain.modules.world.world import Facts, render
 
     asked = [Facts("circle", "red", "blue", None), Facts("square", "green", None, "up"),
              Facts("triangle", "cyan", "red", "left")]

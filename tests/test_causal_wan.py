@@ -1,4 +1,4 @@
-"""Block-causal Wan transformer (modules/causal_wan.py) on the tiny ``wan_t2v`` preset, CPU.
+"""Block-causal Wan transformer (modules/models/causal_wan.py) on the tiny ``wan_t2v`` preset, CPU.
 
 Latents (B, C, F, H, W) = (2, 16, 6, 8, 8): patch (1, 2, 2) gives 16 tokens per frame; chunks of 2 frames give
 3 chunks, 96 tokens.
@@ -11,8 +11,8 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanRotaryPosEmbed
 
-from posttrain.modules.causal_wan import CausalWanTransformer3DModel, WanKVCache
-from posttrain.modules.presets import PRESETS
+from posttrain.modules.models.causal_wan import CausalWanTransformer3DModel, WanKVCache
+from posttrain.modules.models.presets import PRESETS
 
 B, C, F, H, W = 2, 16, 6, 8, 8
 CHUNK = 2

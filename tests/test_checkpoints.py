@@ -19,12 +19,12 @@ import launch
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
 from posttrain.datamodules.synthetic import SyntheticVideos
-from posttrain.modules import checkpoints as ckpt
+from posttrain.modules.io import checkpoints as ckpt
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from tests.conftest import adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
-from posttrain.modules.cards import Expert
+from posttrain.modules.models.cards import Expert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = dict(frames=5, height=16, width=16)

@@ -8,11 +8,11 @@ from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.grpo import GRPOArgs
-from posttrain.modules.rewards import (ColourAlignment, ConstantReward, RewardOutput, SyntheticGenEvalReward,
-                                       score)
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs
+from posttrain.modules.rewards.synthetic import ColourAlignment, SyntheticGenEvalReward
+from posttrain.modules.rewards.base import ConstantReward, RewardOutput, score
+from posttrain.modules.flow.samplers import FlowMatchSampler
 from tests.conftest import TINY_WAN, adamw
 from tests.helpers import assert_one_metric_scheme, quick_trainer
 

@@ -17,14 +17,14 @@ from lightning.pytorch.callbacks import Callback
 
 import posttrain.lit.dmd2 as dmd2_module
 from posttrain.callbacks.checkpoints import ModelCheckpoint
-from posttrain.modules import checkpoints
+from posttrain.modules.io import checkpoints
 from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.gan import PixelDiscriminator, block_features, feature_dim, pooled_text
-from posttrain.modules.samplers import FlowMatchSampler, shift_sigmas
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.distill.gan import PixelDiscriminator, block_features, feature_dim, pooled_text
+from posttrain.modules.flow.samplers import FlowMatchSampler, shift_sigmas
 from tests.conftest import TINY_WAN
 from tests.helpers import assert_one_metric_scheme, quick_trainer
 
@@ -826,7 +826,7 @@ def test_real_guidance_interval_guides_the_real_score_only_where_sigma_lies_insi
     the teacher's conditional score elsewhere, sample by sample. An interval that holds every σ of sigma_range
     guides as no interval does (the cond + uncond batch); one that holds none runs one unguided pass; per sample,
     the guided velocity is each sample's own CFG at its own scale."""
-    from posttrain.modules.samplers import guided
+    from posttrain.modules.flow.samplers import guided
 
     batches = {}
     for interval in (None, (0.0, 1.0), (0.99, 1.0)):
@@ -924,7 +924,7 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
 
     import helpers_strategy as h
 
-    sampler = {"class_path": "posttrain.modules.samplers.FlowMatchSampler",
+    sampler = {"class_path": "posttrain.modules.flow.samplers.FlowMatchSampler",
                "init_args": {"num_steps": 4, "step_sigmas": [1.0, 0.75, 0.5, 0.25], "scheduler": {
                    "class_path": "diffusers.FlowMatchEulerDiscreteScheduler",
                    "init_args": {"shift": 3.0, "stochastic_sampling": True}}}}
@@ -935,7 +935,7 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
 
     settings = dict(zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, sampler=sampler,
                     generator_update_ratio=2, teacher_sampler={
-                        "class_path": "posttrain.modules.samplers.FlowMatchSampler", "init_args": {"num_steps": 2}})
+                        "class_path": "posttrain.modules.flow.samplers.FlowMatchSampler", "init_args": {"num_steps": 2}})
 
     def records(folder):
         return [{"class_path": f"helpers_strategy.{record}", "init_args": {"folder": folder}}
@@ -990,7 +990,7 @@ def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_
 
     settings = dict(zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, student_steps=2,
                     generator_update_ratio=2, gan_space="pixels", gan_critic_weight=1e-2, gan_generator_weight=3e-3,
-                    teacher_sampler={"class_path": "posttrain.modules.samplers.FlowMatchSampler",
+                    teacher_sampler={"class_path": "posttrain.modules.flow.samplers.FlowMatchSampler",
                                      "init_args": {"num_steps": 2}})
 
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from posttrain.modules.losses import dmd_generator_loss, flow_matching_loss, noised, x0_from_velocity
+from posttrain.modules.distill.losses import dmd_generator_loss
+
+from posttrain.modules.flow.losses import flow_matching_loss, noised, x0_from_velocity
 
 
 def video(*values: float) -> torch.Tensor:

@@ -12,8 +12,8 @@ from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import NonFiniteLossError
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.presets import build_model
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.presets import build_model
 from tests.conftest import TINY_WAN, adamw, wan_card
 from tests.helpers import TwoExperts, quick_trainer
 
@@ -169,7 +169,7 @@ def test_two_experts_under_ddp(tmp_path):
     assert "find_unused_parameters: set `trainer.strategy: ddp_find_unused_parameters_true`" in refused.stderr
     done = run("ddp_find_unused_parameters_true")
     assert done.returncode == 0, done.stderr[-3000:]
-    from posttrain.modules.checkpoints import load
+    from posttrain.modules.io.checkpoints import load
 
     state = load(str(tmp_path / "ddp_find_unused_parameters_true" / "last.ckpt"))
     assert state["global_step"] == 2

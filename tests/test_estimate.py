@@ -19,7 +19,7 @@ import yaml
 
 import launch
 from posttrain.lit.tools.estimate import _inputs, estimate, meta_model
-from posttrain.modules import presets
+from posttrain.modules.models import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -137,7 +137,7 @@ def test_sequence_parallel_divides_the_activations_per_process(tmp_path):
     assert "sequence parallel" not in one.table()
     with pytest.raises(ValueError, match=r"sequence_parallel=2 must divide the 3 processes"):
         estimate(path, devices=3, activations=False)
-    # the block-causal student (its own exchange, modules/causal_wan.py; 3 latent frames, one chunk) divides alike
+    # the block-causal student (its own exchange, modules/models/causal_wan.py; 3 latent frames, one chunk) divides alike
     causal = write_config(tmp_path, {"arch": "wan_t2v_causal", "preset": preset}, devices=2, sharded=True,
                           strategy_args={"sequence_parallel": 2}, run={"frames": 9, "height": 128, "width": 128})
     shared, whole = estimate(causal)["transformer"], estimate(causal, sequence_parallel=1)["transformer"]
@@ -167,8 +167,8 @@ def test_activation_rows_follow_the_rl_batching():
 
     from posttrain.lit.tools.estimate import activation_rows
 
-    from posttrain.modules.grpo import GRPOArgs
-    from posttrain.modules.samplers import FlowMatchSampler
+    from posttrain.modules.rl.grpo import GRPOArgs
+    from posttrain.modules.flow.samplers import FlowMatchSampler
 
     assert activation_rows(SimpleNamespace(), 4)[0] == 4
     rl = dict(grpo=GRPOArgs(num_samples_per_prompt=8), rollout_sampler=FlowMatchSampler())

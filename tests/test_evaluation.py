@@ -13,8 +13,8 @@ from lightning.pytorch import LightningModule, Trainer
 from posttrain.callbacks.evaluation import Evaluate, still_caption
 from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.lit.tools.cli import main
-from posttrain.modules.generators import VideoSize
-from posttrain.modules.world import parse_caption
+from posttrain.modules.models.generators import VideoSize
+from posttrain.modules.world.world import parse_caption
 
 
 class Oracle(LightningModule):
@@ -118,8 +118,8 @@ def test_evaluation_samples_are_the_served_ones_for_any_family(card):
     gives exactly what the method serves from the same seed (``Finetune.generate``), for Wan and for FLUX."""
     from posttrain.lit.base import RunArgs
     from posttrain.lit.finetune import Finetune
-    from posttrain.modules.evaluation import generate
-    from posttrain.modules.samplers import FlowMatchSampler
+    from posttrain.modules.eval.evaluation import generate
+    from posttrain.modules.flow.samplers import FlowMatchSampler
     from tests.conftest import flux_card, wan_card
 
     size = RunArgs(frames=1, height=16, width=16) if card == "flux" else RunArgs(frames=5, height=16, width=16)

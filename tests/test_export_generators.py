@@ -14,8 +14,8 @@ from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.tools.export import export
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.generators import Flux
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.generators import Flux
+from posttrain.modules.flow.samplers import FlowMatchSampler
 from tests.conftest import flux_card, i2v_card
 from tests.helpers import quick_trainer
 
@@ -107,9 +107,9 @@ def test_wan21_i2v_with_an_image_encoder(tmp_path, one_thread):
     the same (8-bit) image and noise reproduces the package's samples."""
     from PIL import Image
 
-    from posttrain.modules.cards import Expert
+    from posttrain.modules.models.cards import Expert
     from tests.conftest import adamw
-    from posttrain.modules.cards import ModelCard
+    from posttrain.modules.models.cards import ModelCard
 
     heads, dim = 2, 32
     card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),

@@ -7,8 +7,8 @@ import torch
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.cards import Expert
-from posttrain.modules.losses import flow_matching_loss, noised
+from posttrain.modules.models.cards import Expert
+from posttrain.modules.flow.losses import flow_matching_loss, noised
 from tests.conftest import TINY_WAN, adamw, wan_card
 from tests.helpers import TwoExperts, assert_one_metric_scheme, quick_trainer
 
@@ -108,7 +108,7 @@ def test_per_expert_scheduler_steps_with_its_optimizer():
 
 def test_cache_encodes_a_group_once():
     """K copies of one prompt in a call: one encode (a miss), K-1 hits; the rows are identical."""
-    from posttrain.modules.cache import EmbeddingCache
+    from posttrain.modules.models.cache import EmbeddingCache
 
     cache, calls = EmbeddingCache(), []
 

@@ -15,9 +15,9 @@ from posttrain.datamodules.folder import VideoFolder
 from posttrain.datamodules.synthetic import COLOURS, render
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.media import write_media
-from posttrain.modules.presets import build_model
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.io.media import write_media
+from posttrain.modules.models.presets import build_model
 from tests.conftest import TINY_WAN
 
 RED = torch.tensor(COLOURS["red"]) * 2 - 1  # the shapes' colours in [-1, 1]

@@ -9,11 +9,11 @@ import torch
 
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.synthetic import SyntheticVideos
-from posttrain.modules import checkpoints as ckpt
+from posttrain.modules.io import checkpoints as ckpt
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
-from posttrain.modules import presets
-from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import Expert, ModelCard
 from tests.conftest import adamw
 from tests.helpers import quick_trainer
 

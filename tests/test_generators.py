@@ -17,11 +17,12 @@ from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
-from posttrain.modules import vae as codec
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.grpo import GRPOArgs
-from posttrain.modules.rewards import ColourAlignment, ConstantReward, MotionAlignment, score
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models import vae as codec
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs
+from posttrain.modules.rewards.synthetic import ColourAlignment, MotionAlignment
+from posttrain.modules.rewards.base import ConstantReward, score
+from posttrain.modules.flow.samplers import FlowMatchSampler
 from tests.conftest import adamw, flux_card, i2v_card
 from tests.helpers import quick_trainer
 
@@ -168,8 +169,8 @@ def test_a_wan_vae_preset_compresses_as_its_layers_do_and_a_config_that_says_oth
     """A preset merges over the world's VAE (4x in space): one with Wan2.1's four levels builds an 8x VAE, and the
     latents it is given are the size its encoder makes (found on a GPU: the 1.3B bench's videos were 4x the tokens
     it said). A config whose ``scale_factor_spatial`` contradicts its layers is refused, naming the value to set."""
-    from posttrain.modules import presets
-    from posttrain.modules.vae import latent_shape, scale_factors
+    from posttrain.modules.models import presets
+    from posttrain.modules.models.vae import latent_shape, scale_factors
 
     wan21 = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
     vae = presets.build_model("wan_vae", preset=wan21)

@@ -10,11 +10,12 @@ import torch
 
 import launch
 from posttrain.datamodules.synthetic import ShapesDataset
-from posttrain.modules.frechet import VAEFrameFeatures, VideoFrechetDistance
-from posttrain.modules.geneval import SyntheticGenEval, chance, judge, read_facts, windows
-from posttrain.modules.presets import build_model
-from posttrain.modules.rewards import SyntheticGenEvalReward, score
-from posttrain.modules.world import FACTS, PALETTE, Facts, parse_caption, render
+from posttrain.modules.eval.frechet import VAEFrameFeatures, VideoFrechetDistance
+from posttrain.modules.world.geneval import SyntheticGenEval, chance, judge, read_facts, windows
+from posttrain.modules.models.presets import build_model
+from posttrain.modules.rewards.synthetic import SyntheticGenEvalReward
+from posttrain.modules.rewards.base import score
+from posttrain.modules.world.world import FACTS, PALETTE, Facts, parse_caption, render
 from tests.helpers_geneval import gather_worker
 
 FRAMES, SIZE = 5, 32

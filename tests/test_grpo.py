@@ -1,4 +1,4 @@
-"""The shared GRPO pieces (modules/grpo.py): the settings checked once, and the one rule for which rows train,
+"""The shared GRPO pieces (modules/rl/grpo.py): the settings checked once, and the one rule for which rows train,
 on one process and under DDP, for every RL method."""
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from posttrain.lit.base import RunArgs
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.joint_rl import JointRL
 from posttrain.lit.workflow_rl import WorkflowRL
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.grpo import GRPOArgs, train_rows
-from posttrain.modules.rewards import ColourAlignment, RewardOutput
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.workflow import Stage
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs, train_rows
+from posttrain.modules.rewards.synthetic import ColourAlignment
+from posttrain.modules.rewards.base import RewardOutput
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.rl.workflow import Stage
 from tests.conftest import TINY_WAN, adamw, workflow_experts
 from tests.helpers import quick_trainer
 

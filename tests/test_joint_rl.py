@@ -18,13 +18,14 @@ from helpers import assert_one_metric_scheme, quick_trainer
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.joint_rl import JointRL
 from posttrain.lit.base import RunArgs
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.grpo import GRPOArgs
-from posttrain.modules.refiners import target_probability
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs
+from posttrain.modules.models.refiners import target_probability
 from posttrain.datamodules.requests import Requests
-from posttrain.modules.intent import IntentReward
-from posttrain.modules.rewards import ColourAlignment, RefinementKeyword, WeightedReward
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.rewards.intent import IntentReward
+from posttrain.modules.rewards.synthetic import ColourAlignment, RefinementKeyword
+from posttrain.modules.rewards.base import WeightedReward
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "xqz#"
@@ -308,8 +309,8 @@ def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concer
     cache). Skip samples are served the request verbatim; rewrite serves the refinement, append the request and
     the refinement, three concerns their composition in the caption template; the reward read the batch's facts."""
     from posttrain.lit.tools.tracking import WandbLogger
-    from posttrain.modules.generators.wan import umt5_embeds
-    from posttrain.modules.requests import compose_concerns, facts_from_batch
+    from posttrain.modules.models.generators.wan import umt5_embeds
+    from posttrain.modules.world.requests import compose_concerns, facts_from_batch
 
     n = 3 if concerns else 1
     reward = FactsSeen(concerns=dict(zip([f"refiner_{i}" for i in range(n)], concerns)) if concerns else None)
@@ -399,7 +400,7 @@ def test_predict_serves_through_the_refiners():
 def caption_margin(m: JointRL, colour_slot_requests: list[tuple[str, str, str]]) -> float:
     """Mean over ``(request, right caption, near caption)`` of log π(right) − log π(near) under refiner_0's
     policy (bytes + EOS at joint RL's temperature): how much more the refiner writes the colour meant."""
-    from posttrain.modules.refiners import Refinements, completion_log_probs, encode_contexts, refiner_vocab
+    from posttrain.modules.models.refiners import Refinements, completion_log_probs, encode_contexts, refiner_vocab
 
     lm, tokenizer = m.card["refiner_0"], m.card.tokenizers["refiner_0"]
     vocab = refiner_vocab(tokenizer, lm.get_output_embeddings().weight.shape[0])
@@ -423,8 +424,8 @@ def test_prompt_rl_config_teaches_the_refiner_which_colour_an_ambiguous_word_mea
     (``teal``, ``amber``, …, pretrained as unsure between two colours), the caption of the colour the word names
     here over its near colour's — learnt from what the videos show. The same run at learning rate 0 leaves the
     preference where it was (so does removing the update)."""
-    from posttrain.modules.requests import AMBIGUOUS, canonical_caption
-    from posttrain.modules.world import Facts
+    from posttrain.modules.world.requests import AMBIGUOUS, canonical_caption
+    from posttrain.modules.world.world import Facts
 
     probes = []
     for word, (colour, near) in AMBIGUOUS.items():

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from posttrain.callbacks.parity import C2Check, C2ViolationError
-from posttrain.modules.generators import GeneratorStage, VideoSize
-from posttrain.modules.rollout import Rollout, mean_metrics
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.generators import GeneratorStage, VideoSize
+from posttrain.modules.rl.rollout import Rollout, mean_metrics
+from posttrain.modules.flow.samplers import FlowMatchSampler
 from tests.conftest import wan_card
 
 

@@ -58,7 +58,7 @@ def test_training_on_precomputed_rows_is_bitwise_training_on_the_fly(tmp_path):
     rows = PrecomputedVideos(str(out), batch_size=data.batch_size)  # the config's batch, as on the fly
     encoder = model.card.specs["text_encoder"]
     calls = []
-    with mock.patch("posttrain.modules.generators.wan.umt5_embeds", side_effect=lambda *a: calls.append(a)):
+    with mock.patch("posttrain.modules.models.generators.wan.umt5_embeds", side_effect=lambda *a: calls.append(a)):
         precomputed = train(model, rows)
     assert not calls, "the text encoder ran although every row was precomputed"
     assert encoder.trainable is False
@@ -123,6 +123,6 @@ def test_rl_reads_precomputed_prompt_rows_without_running_the_text_encoder(tmp_p
     assert manifest["video"] is None and set(manifest["sources"]) == {"text_encoder"}  # prompts only
     model, _ = method_and_data(config)
     calls = []
-    with mock.patch("posttrain.modules.generators.wan.umt5_embeds", side_effect=lambda *a: calls.append(a)):
+    with mock.patch("posttrain.modules.models.generators.wan.umt5_embeds", side_effect=lambda *a: calls.append(a)):
         train(model, PrecomputedVideos(str(tmp_path / "rows"), batch_size=2), steps=1)
     assert not calls and model.card.cache.hits > 0

@@ -18,7 +18,7 @@ from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.tools.export import export
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.cards import LoraConfig
+from posttrain.modules.models.cards import LoraConfig
 from tests.conftest import wan_card
 from tests.helpers import quick_trainer
 
@@ -54,7 +54,7 @@ SIZE = RunArgs(frames=5, height=16, width=16)
 def trained(tmp_path, name: str, guidance: float = 1.0, scheduler=None, ema: bool | None = None, **card_kwargs):
     """A finetune of 2 iterations (lr 1e-2, EMA 0.9 unless ``ema`` is false — by default only without ``card_kwargs``
     on the transformer —, 4 sampler steps; the sampler's default scheduler unless one is given) and its checkpoint."""
-    from posttrain.modules.samplers import FlowMatchSampler
+    from posttrain.modules.flow.samplers import FlowMatchSampler
 
     card = wan_card(lr=1e-2)
     for key, value in card_kwargs.items():

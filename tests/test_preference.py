@@ -1,4 +1,4 @@
-"""Preference rewards from local folders (modules/preference.py) on tiny random models of their real classes:
+"""Preference rewards from local folders (modules/rewards/preference.py) on tiny random models of their real classes:
 shapes, determinism, the frame aggregation, the reference formula of each score, and refused folders."""
 import os
 import shutil
@@ -10,9 +10,9 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from helpers import tiny_clip_folder
-from posttrain.modules.preference import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, AestheticHead, HPSv21, LaionAesthetic,
+from posttrain.modules.rewards.preference import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, AestheticHead, HPSv21, LaionAesthetic,
                                           PickScore, frame_indices, hps_state_dict)
-from posttrain.modules.rewards import score
+from posttrain.modules.rewards.base import score
 
 PROMPTS = ["a red circle moving left on a blue background", "a green square"]
 # the reward and the written-out reference run the same float32 ops in another order (batched matmul vs sum)

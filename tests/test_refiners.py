@@ -1,4 +1,4 @@
-"""Refiner LM sampling and losses (modules/refiners.py) on the real tiny Qwen2 preset."""
+"""Refiner LM sampling and losses (modules/models/refiners.py) on the real tiny Qwen2 preset."""
 from __future__ import annotations
 
 import copy
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from posttrain.modules.presets import build_model, build_tokenizer
-from posttrain.modules.refiners import (
+from posttrain.modules.models.presets import build_model, build_tokenizer
+from posttrain.modules.models.refiners import (
     EOS_ID,
     PAD_ID,
     Refinements,
@@ -206,8 +206,8 @@ def test_refiner_loss_and_c2_gap_as_joint_and_workflow_rl_use_them():
     of the token policy gradient, -mean(A) = -(1 + 1 - 1)/3 when every row has tokens, and its gradient raises
     the log p of the rows with A > 0 (as ``token_pg_loss`` alone). ``refiner_c2_gap`` is ~0 at the sampling
     weights, and not once the weights have moved."""
-    from posttrain.modules.cards import Expert, ModelCard
-    from posttrain.modules.refiners import refiner_c2_gap, refiner_loss
+    from posttrain.modules.models.cards import Expert, ModelCard
+    from posttrain.modules.models.refiners import refiner_c2_gap, refiner_loss
 
     torch.manual_seed(0)
     card = ModelCard(experts={}, num_refiners=1,

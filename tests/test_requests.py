@@ -1,4 +1,4 @@
-"""User requests (modules/requests.py, datamodules/requests.py), the intent reward (modules/intent.py) and the
+"""User requests (modules/world/requests.py, datamodules/requests.py), the intent reward (modules/rewards/intent.py) and the
 shipped refiner asset (modules/assets/refiner, scripts/train_refiner.py)."""
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from posttrain.datamodules.requests import RequestDataset, Requests
-from posttrain.modules import presets
-from posttrain.modules.intent import IntentReward
-from posttrain.modules.requests import (
+from posttrain.modules.models import presets
+from posttrain.modules.rewards.intent import IntentReward
+from posttrain.modules.world.requests import (
     AMBIGUOUS, CONCERN_TEMPLATES, CONCERNS, FILLERS, LEXICON, REWRITE_TEMPLATE, TEMPLATES, accuracy, canonical_caption,
     compose_concerns, concern_target, facts_from_batch, parse_request, refine, rewrite_verdicts, served_prompt,
     wording,
 )
-from posttrain.modules.rewards import score, term_of
-from posttrain.modules.world import FACTS, PALETTE, Facts, parse_caption, render
+from posttrain.modules.rewards.base import score, term_of
+from posttrain.modules.world.world import FACTS, PALETTE, Facts, parse_caption, render
 
 SPLITS = ("train", "eval")
 
@@ -242,7 +242,7 @@ def test_the_shipped_refiner_is_unsure_of_the_ambiguous_colour_words(refiner, on
 def test_a_card_serves_the_shipped_refiner_as_a_qwen2_expert():
     """``{arch: qwen2, pretrained: REFINER_ASSET}`` builds the shipped weights for every refiner of a card
     (a plain ``arch: qwen2`` stays the random tiny preset), small enough to ship (< 1 MB)."""
-    from posttrain.modules.cards import Expert, ModelCard
+    from posttrain.modules.models.cards import Expert, ModelCard
 
     card = ModelCard({}, num_refiners=2, refiner=Expert(arch="qwen2", pretrained=presets.REFINER_ASSET))
     card.build()

@@ -7,7 +7,7 @@ import torch
 
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.cards import Expert
+from posttrain.modules.models.cards import Expert
 from tests.conftest import TINY_WAN, adamw, wan_card
 from tests.helpers import quick_trainer
 
@@ -36,7 +36,7 @@ def test_a_checkpoint_of_another_method_is_summarised():
     refiners): nine experts differ. The refusal says how many, shows the first three, names the other six and
     says what to do, in six lines (it listed all nine, eleven lines)."""
     from posttrain.lit.engine.resume import check_signature
-    from posttrain.modules.cards import ModelCard
+    from posttrain.modules.models.cards import ModelCard
 
     finetune = wan_card()
     saved = finetune.signature() | {"transformer_ema": {"role_of": "transformer", "role": "ema"}}

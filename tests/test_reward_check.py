@@ -5,8 +5,8 @@ import pytest
 from PIL import Image
 
 from posttrain.lit.tools.cli import main
-from posttrain.modules.media import write_media
-from posttrain.modules.world import render
+from posttrain.modules.io.media import write_media
+from posttrain.modules.world.world import render
 
 CONFIG = "configs/flow_grpo.yaml"  # SyntheticGenEvalReward: shape, colour, background, motion
 

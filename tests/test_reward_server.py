@@ -16,10 +16,10 @@ from lightning.pytorch import Callback
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.serve_reward import bind, served
-from posttrain.modules import checkpoints
-from posttrain.modules.remote import RemoteReward, RemoteRewardError, encode_answer, encode_request
-from posttrain.modules.rewards import (ColourAlignment, RefinementKeyword, Reward, RewardOutput,
-                                       SyntheticGenEvalReward, score)
+from posttrain.modules.io import checkpoints
+from posttrain.modules.rewards.remote import RemoteReward, RemoteRewardError, encode_answer, encode_request
+from posttrain.modules.rewards.synthetic import ColourAlignment, RefinementKeyword, SyntheticGenEvalReward
+from posttrain.modules.rewards.base import Reward, RewardOutput, score
 from tests.helpers import NaNReward, quick_trainer
 from tests.test_flow_grpo import PROMPTS, make
 
@@ -108,7 +108,7 @@ def test_a_server_killed_mid_run_is_retried_then_stops_the_run_with_its_checkpoi
         trainer = quick_trainer(5, enable_checkpointing=True, callbacks=[
             ModelCheckpoint(dirpath=str(folder), every_n_train_steps=1, save_last=True, save_top_k=-1),
             KillServer(process, 2)])
-        with caplog.at_level(logging.WARNING, logger="posttrain.modules.remote"), \
+        with caplog.at_level(logging.WARNING, logger="posttrain.modules.rewards.remote"), \
                 pytest.raises(RemoteRewardError, match=rf"reward server {url} did not answer after 3 tries \(no answer "
                                                        rf"\(ConnectionRefusedError.*the run stops rather than train "
                                                        rf"on a missing reward"):
@@ -116,7 +116,7 @@ def test_a_server_killed_mid_run_is_retried_then_stops_the_run_with_its_checkpoi
     finally:
         process.kill()
         process.wait()
-    retries = [r.getMessage().split("; ")[-1] for r in caplog.records if r.name == "posttrain.modules.remote"]
+    retries = [r.getMessage().split("; ")[-1] for r in caplog.records if r.name == "posttrain.modules.rewards.remote"]
     assert retries == ["retry 1 of 2 in 0.1 s", "retry 2 of 2 in 0.1 s"]
     assert trainer.global_step == 2 and model.card.versions["transformer"] == 2
     state = checkpoints.load(str(folder / "last.ckpt"))

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from posttrain.datamodules.synthetic import COLOURS, render
-from posttrain.modules.rewards import (CLIPScore, ColourAlignment, ConstantReward, JpegCompressibility, PALETTE,
-                             RefinementKeyword, RewardOutput, WeightedReward, score, term_of)
+from posttrain.modules.rewards.image import CLIPScore, JpegCompressibility
+from posttrain.modules.rewards.synthetic import ColourAlignment, PALETTE, RefinementKeyword
+from posttrain.modules.rewards.base import ConstantReward, RewardOutput, WeightedReward, score, term_of
 
 PROMPT = "a red circle moving left on a blue background"
 
@@ -114,7 +115,7 @@ def test_clip_score_reward_is_torchmetrics_clip_score_per_sample(tmp_path):
     sample is torchmetrics' CLIPScore of it / 100 (before the metric's clamp at 0)."""
     from helpers import tiny_clip_folder
 
-    from posttrain.modules.clip import clip_score_metric, to_uint8
+    from posttrain.modules.rewards.clip import clip_score_metric, to_uint8
 
     folder = tiny_clip_folder(str(tmp_path / "clip"))
     media = torch.rand(3, 3, 2, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -133,7 +134,7 @@ def test_clip_score_reward_is_torchmetrics_clip_score_per_sample(tmp_path):
 def test_term_problems_name_the_option_the_terms_and_the_fix():
     """The start-up dry run of credit by reward term (joint_rl, workflow_rl): each missing term is named with the
     option that asked for it and the terms the reward has; a reward that fails on the dry run is reported once."""
-    from posttrain.modules.rewards import credited_term, term_problems
+    from posttrain.modules.rewards.base import credited_term, term_problems
 
     reward = WeightedReward({"colour": ColourAlignment(), "keyword": RefinementKeyword({"refiner_0": "x"})})
     context = {"original_prompts": ["a red circle"], "refinements": {"refiner_0": [""]}}

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from posttrain.modules.advantages import group_advantages
-from posttrain.modules.losses import nft_loss, nft_old_decay, nft_reward_weight, ppo_clip_loss, sde_kl
+from posttrain.modules.rl.advantages import group_advantages
+from posttrain.modules.rl.losses import nft_loss, nft_old_decay, nft_reward_weight, ppo_clip_loss, sde_kl
 
 
 def test_ppo_clip_loss_by_hand():

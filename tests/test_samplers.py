@@ -8,9 +8,9 @@ import torch
 
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from posttrain.modules.conditioning import Conditioning
-from posttrain.modules.generators import ADAPTERS
-from posttrain.modules.samplers import (
+from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.models.generators import ADAPTERS
+from posttrain.modules.flow.samplers import (
     FlowMatchSampler, gaussian_log_prob, guided, ml_velocity, sde_mean, sde_std, sde_step, shift_sigmas,
 )
 
@@ -152,7 +152,7 @@ def test_guidance_rescale_pulls_the_guided_std_to_the_conditional_one():
 
 @pytest.fixture(scope="module")
 def wan():
-    from posttrain.modules.presets import build_model
+    from posttrain.modules.models.presets import build_model
 
     torch.manual_seed(0)
     return build_model("wan_t2v").eval()
@@ -289,7 +289,7 @@ def test_few_step_settings_are_checked():
 # ---------------------------------------------------------------------- the chunk loop of a block-causal model
 @pytest.fixture(scope="module")
 def causal(wan):
-    from posttrain.modules.causal_wan import CausalWanTransformer3DModel
+    from posttrain.modules.models.causal_wan import CausalWanTransformer3DModel
 
     return CausalWanTransformer3DModel.from_bidirectional(wan, num_frames_per_chunk=1).eval()
 

@@ -1,4 +1,4 @@
-"""Stable Diffusion 3, a family added as one file (``modules/generators/sd3.py``) and its configs: it builds from
+"""Stable Diffusion 3, a family added as one file (``modules/models/generators/sd3.py``) and its configs: it builds from
 its preset, samples through the one sampler, finetunes and trains with FlowGRPO from its configs (no method code of
 its own), ``posttrain estimate`` traces it, and its export run by the real ``StableDiffusion3Pipeline`` from the same
 noise reproduces ``predict`` (float32)."""
@@ -16,7 +16,7 @@ from posttrain.lit.base import RunArgs
 from posttrain.lit.tools.cli import main
 from posttrain.lit.tools.estimate import estimate
 from posttrain.lit.tools.export import export
-from posttrain.modules.cards import Expert, ModelCard
+from posttrain.modules.models.cards import Expert, ModelCard
 from tests.conftest import adamw
 from tests.test_estimate import assert_matches_a_real_forward
 from tests.test_export_generators import finetuned

@@ -16,8 +16,8 @@ from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.flow.samplers import FlowMatchSampler
 from tests.helpers import late_windows, quick_trainer
 from tests.test_dmd2 import adam, distill_card, fit_and_measure, weights
 

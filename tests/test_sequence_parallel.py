@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (``modules/sequence_parallel.py``): 2 CPU processes over gloo share one video's
+"""Ulysses sequence parallelism (``modules/models/sequence_parallel.py``): 2 CPU processes over gloo share one video's
 tokens, and a Wan transformer's (FLUX's, with LoRA, with gradient checkpointing) forward and backward equal the
 one-process result; finetune, flow_grpo and ZeRO-3 (killed and resumed) under it.
 
@@ -35,7 +35,7 @@ def _assert_shared_equals_alone(alone, mesh, inputs: dict, what: str) -> None:
     """``alone`` and a copy under sequence parallelism over ``mesh``: the same output (to 1e-6 of its largest entry,
     at least 1e-6) and, summed over the group, the same gradients of every trained parameter (1e-5 of the largest)
     — the tolerances above."""
-    from posttrain.modules.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients
+    from posttrain.modules.models.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients
 
     shared = copy.deepcopy(alone)
     enable_sequence_parallel(shared, mesh)
@@ -58,8 +58,8 @@ def _compare(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from posttrain.modules import presets
-        from posttrain.modules.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients, \
+        from posttrain.modules.models import presets
+        from posttrain.modules.models.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients, \
             sequence_mesh
 
         torch.manual_seed(0)
@@ -106,7 +106,7 @@ def _assert_cached_rollout_equals_alone(alone, mesh, text: torch.Tensor) -> None
     then its context pass at σ = 0 writing it), through a rolling cache of 2 frames (the first chunks are evicted):
     every chunk's output equals one process's (1e-6, as above), and so do the group-summed gradients of the last
     chunk's output (1e-5 of the largest), which reach the weights through the cached chunks' keys only as constants."""
-    from posttrain.modules.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients
+    from posttrain.modules.models.sequence_parallel import enable_sequence_parallel, reduce_sequence_gradients
 
     shared = copy.deepcopy(alone)
     enable_sequence_parallel(shared, mesh)
@@ -143,8 +143,8 @@ def _compositions(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from posttrain.modules import presets
-        from posttrain.modules.sequence_parallel import sequence_mesh
+        from posttrain.modules.models import presets
+        from posttrain.modules.models.sequence_parallel import sequence_mesh
 
         mesh = sequence_mesh(world)
         noise = torch.Generator().manual_seed(1)
@@ -258,7 +258,7 @@ def test_self_forcing_under_two_way_sequence_parallelism_follows_one_process(tmp
         assert done.returncode == 0, done.stderr[-5000:]
         runs[devices] = os.path.join(folder, "ckpt", "last.ckpt")
     assert "sequence parallel: groups of 2 processes" in done.stdout + done.stderr, done.stderr[-3000:]
-    from posttrain.modules import presets
+    from posttrain.modules.models import presets
 
     start = presets.build_model("wan_t2v").state_dict()  # the teacher both start from
     for component in ("transformer", "critic"):
@@ -287,7 +287,7 @@ def test_flow_grpo_under_two_way_sequence_parallelism_keeps_its_log_probs_and_c2
     import helpers_strategy as h
 
     grpo = {"num_samples_per_prompt": 2, "timestep_fraction": 1.0, "clip_range": 0.2, "kl_beta": 0.0}
-    sampler = {"class_path": "posttrain.modules.samplers.FlowMatchSampler",
+    sampler = {"class_path": "posttrain.modules.flow.samplers.FlowMatchSampler",
                "init_args": {"num_steps": 2, "guidance_scale": 1.0, "noise_level": 0.7,
                              "scheduler": {"class_path": "diffusers.FlowMatchEulerDiscreteScheduler"}}}
     runs = {}
@@ -319,7 +319,7 @@ def test_zero3_under_two_way_sequence_parallelism_is_killed_and_resumes_bitwise(
     it trains, checkpoints its shards, and a run killed after iteration 3 resumed from the checkpoint of iteration 2
     ends bitwise equal to the uninterrupted run, generator and EMA."""
     import helpers_strategy as h
-    from posttrain.modules import checkpoints
+    from posttrain.modules.io import checkpoints
 
     def last(folder):
         return os.path.join(folder, "ckpt", "last.ckpt")

@@ -16,7 +16,7 @@ import yaml
 
 import helpers_strategy as h
 import launch
-from posttrain.modules import checkpoints
+from posttrain.modules.io import checkpoints
 from posttrain.lit.base import RunArgs
 
 pytestmark = pytest.mark.timeout(900)
@@ -216,7 +216,7 @@ def _fit_in_process(card_experts: dict, strategy, ckpt_path=None, callbacks=(), 
 
     from posttrain.datamodules.synthetic import SyntheticVideos
     from posttrain.lit.finetune import Finetune
-    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 
     experts = {}
     for name, spec in card_experts.items():
@@ -251,7 +251,7 @@ def test_sharded_expert_needs_the_sharding_strategy():
 
 def test_zero_config_rejected_by_deepspeed():
     from posttrain.lit.engine.strategy import validate_zero_configs
-    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 
     bad = ModelCard({"transformer": Expert(arch="wan_t2v", trainable=True, optimizer=torch.optim.AdamW,
                                            sharded=True, zero=ZeroConfig(stage=2, offload_params=True,
@@ -345,7 +345,7 @@ def test_frozen_zero3_expert_bf16_and_offload(one_process):
 
     from posttrain.datamodules.synthetic import SyntheticVideos
     from posttrain.lit.finetune import Finetune
-    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 
     experts = {
         "text_encoder": Expert(arch="umt5", sharded=True, zero=ZeroConfig(stage=3)),
@@ -427,8 +427,8 @@ def test_zero3_experts_from_stored_weights_are_built_partitioned(one_process, tm
 
     from posttrain.datamodules.synthetic import SyntheticVideos
     from posttrain.lit.finetune import Finetune
-    from posttrain.modules import presets
-    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.modules.models import presets
+    from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 
     torch.manual_seed(3)
     presets.build_model("wan_t2v", preset=h.TINY_WAN).save_pretrained(tmp_path / "wan", max_shard_size="200KB")
@@ -484,7 +484,7 @@ def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process,
 
     from posttrain.datamodules.synthetic import SyntheticVideos
     from posttrain.lit.finetune import Finetune
-    from posttrain.modules.cards import Expert, ModelCard, ZeroConfig
+    from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 
     ckpt = str(tmp_path / "last.ckpt")
     shutil.copytree(h.last(runs["z3"]), ckpt)

@@ -9,9 +9,9 @@ import yaml
 
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.workflow import Workflow
-from posttrain.modules.cards import Expert, ModelCard
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.workflow import Stage
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.rl.workflow import Stage
 from tests.conftest import workflow_experts
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]

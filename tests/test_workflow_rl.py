@@ -9,13 +9,14 @@ import torch
 from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.callbacks.parity import C2Check
 from posttrain.datamodules.prompts import Prompts
-from posttrain.modules import checkpoints
+from posttrain.modules.io import checkpoints
 from posttrain.lit.workflow_rl import WorkflowRL
-from posttrain.modules.cards import ModelCard
-from posttrain.modules.grpo import GRPOArgs
-from posttrain.modules.rewards import ColourAlignment, MotionAlignment, StageReward, WeightedReward, score
-from posttrain.modules.samplers import FlowMatchSampler
-from posttrain.modules.workflow import Stage
+from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.rl.grpo import GRPOArgs
+from posttrain.modules.rewards.synthetic import ColourAlignment, MotionAlignment
+from posttrain.modules.rewards.base import StageReward, WeightedReward, score
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.rl.workflow import Stage
 from tests.conftest import workflow_experts
 from tests.helpers import assert_one_metric_scheme, quick_trainer
 
@@ -151,7 +152,7 @@ def test_bad_workflow_rl_options_name_the_fix():
 def test_refiners_can_be_the_first_stage():
     """refiner LM → FLUX → I2V, all three trained from the one reward (token PG for the refiner), each with its
     own version; the refined prompt is what the generators read, the original what the reward scores."""
-    from posttrain.modules.cards import Expert
+    from posttrain.modules.models.cards import Expert
     from tests.conftest import adamw
 
     experts = workflow_experts()

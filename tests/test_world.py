@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-from posttrain.modules import presets
-from posttrain.modules.evaluation import evaluate_generator, generate
-from posttrain.modules.frechet import VAEFrameFeatures, VideoFrechetDistance
-from posttrain.modules.geneval import chance
-from posttrain.modules.samplers import FlowMatchSampler
+from posttrain.modules.models import presets
+from posttrain.modules.eval.evaluation import evaluate_generator, generate
+from posttrain.modules.eval.frechet import VAEFrameFeatures, VideoFrechetDistance
+from posttrain.modules.world.geneval import chance
+from posttrain.modules.flow.samplers import FlowMatchSampler
 
 FRAMES, SIZE = 5, 32
 
@@ -115,8 +115,8 @@ def test_long_clips_at_the_worlds_pace_continue_the_motion():
     clip of the same sample, every 5-frame window of it (frames 4(p-1) .. 4p, what one latent frame adds) reads
     back all four facts, and the whole clip travels 20 · PACE = 1.25 frames. Without ``speed`` a clip of any length
     moves SPEED in all (the shipped world, unchanged), so its windows move 4x less. A bad speed names the option."""
-    from posttrain.modules.geneval import read_facts
-    from posttrain.modules.world import PACE, SPEED, parse_caption
+    from posttrain.modules.world.geneval import read_facts
+    from posttrain.modules.world.world import PACE, SPEED, parse_caption
 
     short, long = ShapesDataset(12, 5, 32, 32, seed=4), ShapesDataset(12, 21, 32, 32, seed=4, speed=PACE)
     stretched = ShapesDataset(12, 21, 32, 32, seed=4)
@@ -138,8 +138,8 @@ def test_the_long_worlds_codec_decodes_the_whole_clip_where_the_5_frame_codec_lo
     import yaml
     from diffusers import AutoencoderKLWan
 
-    from posttrain.modules.vae import decode, encode
-    from posttrain.modules.world import PACE
+    from posttrain.modules.models.vae import decode, encode
+    from posttrain.modules.world.world import PACE
     from tests.helpers import late_windows
 
     data = ShapesDataset(16, 21, SIZE, SIZE, seed=777, speed=PACE)

@@ -1,4 +1,4 @@
-"""Lightning's checkpoint I/O over the package's on-disk protocol (``posttrain.modules.checkpoints``).
+"""Lightning's checkpoint I/O over the package's on-disk protocol (``posttrain.modules.io.checkpoints``).
 
 Plain (non-sharded) strategies write checkpoint folders atomically with a manifest and read them verified,
 weights only; ``ShardedExpertsStrategy`` writes its own folders by the same protocol. ``ExpertModule.setup``
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from posttrain.modules import checkpoints as ckpt
+from posttrain.modules.io import checkpoints as ckpt
 
 
 class VerifiedCheckpointIO(CheckpointIO):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from posttrain.modules.cards import ModelCard
+from posttrain.modules.models.cards import ModelCard
 
 SHARDING = "{class_path: posttrain.lit.engine.strategy.ShardedExpertsStrategy}"
 

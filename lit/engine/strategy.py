@@ -14,13 +14,13 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 - routes ``ExpertModule.backward_experts`` / ``_step_one`` through the engines (``expert_backward``,
   ``expert_step``); engine steps never touch ``trainer.global_step`` (iterations are counted by
   ``callbacks.IterationCounter``);
-- saves a checkpoint folder ``<name>.ckpt/`` by the protocol of ``modules/checkpoints.py`` (temporary folder,
+- saves a checkpoint folder ``<name>.ckpt/`` by the protocol of ``modules/io/checkpoints.py`` (temporary folder,
   every file hashed and fsynced, manifest, one rename): ``lightning.pt`` (the Lightning state of everything
   else: plain experts, their optimizers, loops, RNG, versions, data position), ``sharded.json`` and one
   ``engine.save_checkpoint`` folder per sharded expert, and resumes all of it with ``--ckpt_path`` after
   verifying every file, with DeepSpeed's own shard reads restricted to an allow-list of types.
 
-``posttrain.modules.checkpoints.load(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict
+``posttrain.modules.io.checkpoints.load(folder)`` turns such a folder back into an ordinary Lightning checkpoint dict
 with full fp32 weights (``zero_to_fp32``); ``posttrain export``, ``predict`` and ``validate`` use it.
 A checkpoint written at another world size resumes too: its shards are converted to DeepSpeed's universal
 checkpoint (``ds_to_universal``, in this process, into a temporary folder), loaded at this size and verified against
@@ -50,10 +50,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from posttrain.lit.engine.checkpoint_io import storage_meta
 from posttrain.lit.engine.resume import check_signature
-from posttrain.modules import checkpoints as ckpt
-from posttrain.modules import presets
-from posttrain.modules.cards import Expert, ModelCard, dtype_of
-from posttrain.modules.sequence_parallel import enable_sequence_parallel, sequence_mesh
+from posttrain.modules.io import checkpoints as ckpt
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import Expert, ModelCard, dtype_of
+from posttrain.modules.models.sequence_parallel import enable_sequence_parallel, sequence_mesh
 
 TAG, META = ckpt.ZERO_TAG, ckpt.SHARDED_META
 UNIVERSAL = f"{TAG}_universal"  # DeepSpeed's universal checkpoint of a shard folder
@@ -64,7 +64,7 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``, ``find_unused_parameters``…);
     the ZeRO settings live on the experts of the card (``Expert.zero``). ``sequence_parallel``: k processes share one
-    sample's tokens in every transformer of the card diffusers can split (Wan, FLUX) (``modules/sequence_parallel.py``); data parallelism is then
+    sample's tokens in every transformer of the card diffusers can split (Wan, FLUX) (``modules/models/sequence_parallel.py``); data parallelism is then
     over the world / k sequence groups (samples, noise streams).
     """
 
@@ -266,7 +266,7 @@ class ShardedExpertsStrategy(DDPStrategy):
                                f"unexpected {unexpected[:5]}")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """A checkpoint folder (``modules/checkpoints.py``): ``lightning.pt``, ``sharded.json`` and one ZeRO shard folder
+        """A checkpoint folder (``modules/io/checkpoints.py``): ``lightning.pt``, ``sharded.json`` and one ZeRO shard folder
         per trained engine, written into a temporary folder and committed by rank 0 once every process has written,
         hashed and fsynced its part. Every process must call this."""
         if not self.trained_engines:

@@ -157,7 +157,7 @@ def _nested_suggestion(name: str) -> str:
     import dataclasses
 
     from posttrain.lit.base import RunArgs
-    from posttrain.modules.cards import Expert, LoraConfig, ZeroConfig
+    from posttrain.modules.models.cards import Expert, LoraConfig, ZeroConfig
 
     known = {f.name for cls in (Expert, ZeroConfig, LoraConfig, RunArgs) for f in dataclasses.fields(cls)}
     close = difflib.get_close_matches(name, sorted(known), n=1)

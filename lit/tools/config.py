@@ -31,11 +31,11 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 import posttrain.callbacks  # noqa: F401  (short class names in YAML: SampleVideos, C2Check, ...)
 import posttrain.datamodules  # noqa: F401
 import posttrain.lit  # noqa: F401  (the methods, for `model: {class_path: Finetune}`)
-import posttrain.modules.preference  # noqa: F401  (short reward names: `reward: {class_path: PickScore}`, ...)
-import posttrain.modules.remote  # noqa: F401  (`reward: {class_path: RemoteReward}`)
+import posttrain.modules.rewards.preference  # noqa: F401  (short reward names: `reward: {class_path: PickScore}`, ...)
+import posttrain.modules.rewards.remote  # noqa: F401  (`reward: {class_path: RemoteReward}`)
 from posttrain.callbacks.progress import ExpertSummary, IterationProgressBar
 from posttrain.lit.base import ExpertModule, RunArgs
-from posttrain.modules import presets
+from posttrain.modules.models import presets
 
 
 class LoggedConfig(SaveConfigCallback):
@@ -106,7 +106,7 @@ class PosttrainCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads a single-file ``ckpt_path`` itself, unverified, for hyper-parameters saved in it. A
         posttrain method saves none (the config is the YAML), so the checkpoint is read once, by the strategy
-        through the one verified loader (``posttrain.modules.checkpoints.load``), which names a refused file in
+        through the one verified loader (``posttrain.modules.io.checkpoints.load``), which names a refused file in
         its own words."""
 
     def before_instantiate_classes(self) -> None:
@@ -255,7 +255,7 @@ def wandb_run_of(ckpt_path: Optional[str], checkpoints: str) -> Optional[str]:
     """The W&B run id recorded in the checkpoint ``ckpt_path`` resolves to, if any."""
     if not ckpt_path:
         return None
-    from posttrain.modules import checkpoints as ckpt
+    from posttrain.modules.io import checkpoints as ckpt
 
     path = checkpoints if ckpt_path == "last" else ckpt_path
     if not os.path.exists(path):

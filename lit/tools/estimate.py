@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from posttrain.lit.tools.config import instantiate_part, parse
-from posttrain.modules import presets
-from posttrain.modules.cards import Expert, ModelCard, dtype_of
-from posttrain.modules.generators.base import TrainingForward
-from posttrain.modules.sequence_parallel import all_to_all_bytes, enable_sequence_parallel, traced_mesh
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import Expert, ModelCard, dtype_of
+from posttrain.modules.models.generators.base import TrainingForward
+from posttrain.modules.models.sequence_parallel import all_to_all_bytes, enable_sequence_parallel, traced_mesh
 
 GIB = 2**30
 
@@ -233,7 +233,7 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
 def reward_memory(reward: Any) -> list[ComponentMemory]:
     """One row per model a local reward holds (PickScore, HPSv2.1, the aesthetic predictor, CLIPScore): frozen
     weights in their dtype, no gradients, no optimizer state; a ``RemoteReward`` holds none here."""
-    from posttrain.modules.preference import reward_models
+    from posttrain.modules.rewards.preference import reward_models
 
     rows = []
     for name, model in reward_models(reward).items():

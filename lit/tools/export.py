@@ -26,9 +26,11 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from posttrain.modules import checkpoints, presets
-from posttrain.modules.cards import dtype_of
-from posttrain.modules.generators import ADAPTERS
+from posttrain.modules.io import checkpoints
+
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import dtype_of
+from posttrain.modules.models.generators import ADAPTERS
 
 
 def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = True,

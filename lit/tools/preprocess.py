@@ -7,7 +7,7 @@ Every process encodes the indices ``rank, rank + N, …`` of each split (``train
 datamodule has one) in batches of the datamodule's batch size, through the card's own VAE and text encoders
 (the same calls training makes, so training on the rows is bitwise training on the fly), and writes one
 shard; the folder appears whole (written beside it, renamed at the end) with a manifest of SHA-256s and the
-source experts' weight digests (``modules/precomputed.py``). On GPUs process ``r`` uses ``cuda:r``.
+source experts' weight digests (``modules/io/precomputed.py``). On GPUs process ``r`` uses ``cuda:r``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from posttrain.lit.tools.config import instantiate_part, parse
-from posttrain.modules import precomputed
+from posttrain.modules.io import precomputed
 
 
 def preprocess(config: str, out: str, processes: int = 1, batch_size: Optional[int] = None,

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 
 from posttrain.lit.tools.config import instantiate_part, parse
-from posttrain.modules.preference import frame_indices
-from posttrain.modules.rewards import RewardOutput, reward_name, score
+from posttrain.modules.rewards.preference import frame_indices
+from posttrain.modules.rewards.base import RewardOutput, reward_name, score
 
 
 def reward(config: str, videos: Optional[str] = None, out: str = "reward_check", num_samples: int = 16,

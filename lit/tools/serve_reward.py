@@ -4,7 +4,7 @@
     posttrain serve-reward --reward SyntheticGenEvalReward --port 8000 --batch_size 16
     POSTTRAIN_REWARD_TOKEN=<secret> posttrain serve-reward --reward ... --host 0.0.0.0 --allow_remote true
 
-The wire format is ``modules/remote.py``'s. The reward is built once, before the server listens (a folder that
+The wire format is ``modules/rewards/remote.py``'s. The reward is built once, before the server listens (a folder that
 cannot serve stops here); batches are scored one at a time (a model on one device is not shared between
 threads), each request in chunks of at most ``batch_size`` samples, and every answer is checked
 (``check_reward_output``) before it leaves. Only loopback addresses are served unless ``allow_remote`` is set,
@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from posttrain.modules.remote import (PROTOCOL, TOKEN_ENV, decode_request, encode_answer, token_from)
-from posttrain.modules.rewards import Reward, RewardOutput, reward_name, score
+from posttrain.modules.rewards.remote import (PROTOCOL, TOKEN_ENV, decode_request, encode_answer, token_from)
+from posttrain.modules.rewards.base import Reward, RewardOutput, reward_name, score
 
 
 def chunk_context(context: dict[str, Any], rows: slice) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Distillation: the DMD2 losses and the GAN heads on the critic."""

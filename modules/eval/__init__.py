@@ -1,0 +1,1 @@
+"""Evaluation: held-out sampling runs scored by GenEval, and Fréchet distance."""

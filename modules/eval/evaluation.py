@@ -1,0 +1,71 @@
+"""Samples of a generator for evaluation, and their synthetic GenEval scores.
+
+The sampling path is the package's serving path (``GeneratorStage``: the adapter's text stack and velocity call,
+the one ``FlowMatchSampler`` over the scheduler's σ grid, the VAE codec) on plain modules, which a card made here
+holds under the adapter's names. ``arch`` names the generator's architecture (the world's Wan T2V by default).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.generators import GeneratorStage, VideoSize
+from posttrain.modules.world.geneval import SyntheticGenEval
+from posttrain.modules.flow.samplers import FlowMatchSampler
+
+Modules = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+def stage_of(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae: torch.nn.Module,
+             arch: str = "wan_t2v", text_max_length: int = 64) -> GeneratorStage:
+    """The generator stage of plain modules: ``transformer`` of ``arch``, its text encoder(s) and tokenizer(s)
+    (one each, or a sequence in the adapter's order, e.g. FLUX's CLIP then T5) and its VAE, on a card of their
+    own (its prompt cache lives as long as the stage)."""
+    adapter = presets.architecture(arch).adapter
+    if adapter is None:
+        raise ValueError(f"arch {arch!r} is not a generator; generators: {presets.archs('generator')}")
+    encoders = [text_encoder] if isinstance(text_encoder, torch.nn.Module) else list(text_encoder)
+    tokenizers = list(tokenizer) if isinstance(tokenizer, (list, tuple)) else [tokenizer]
+    if len(encoders) != len(adapter.text_encoders) or len(tokenizers) != len(encoders):
+        raise ValueError(f"{type(adapter).__name__} reads {len(adapter.text_encoders)} text encoder(s) "
+                         f"({', '.join(adapter.text_encoder_archs)}); got {len(encoders)} and {len(tokenizers)} "
+                         f"tokenizer(s)")
+    vae_arch = next(name for name in presets.archs("vae") if type(vae) is presets.model_class(name))
+    specs = {"transformer": Expert(arch=arch), "vae": Expert(arch=vae_arch),
+             **{name: Expert(arch=kind) for name, kind in zip(adapter.text_encoders, adapter.text_encoder_archs)}}
+    card = ModelCard(specs, text_max_length=text_max_length)
+    card.models.update({"transformer": transformer, "vae": vae, **dict(zip(adapter.text_encoders, encoders))})
+    card.tokenizers.update(dict(zip(adapter.text_encoders, tokenizers)))
+    return GeneratorStage.named(card)
+
+
+@torch.no_grad()
+def generate(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae: torch.nn.Module,
+             prompts: Sequence[str], seed: int = 0, frames: int = 5, height: int = 32, width: int = 32,
+             sampler: Optional[FlowMatchSampler] = None, text_max_length: int = 64,
+             arch: str = "wan_t2v") -> torch.Tensor:
+    """(B, 3, F, H, W) decoded ODE samples of ``prompts`` from noise seeded by ``seed``, as ``predict``
+    makes them (the configs' sampler by default: 20 Euler steps, shift 3). The one place evaluation
+    calls the sampler."""
+    sampler = sampler or FlowMatchSampler(num_steps=20)
+    stage = stage_of(transformer, text_encoder, tokenizer, vae, arch, text_max_length)
+    shape = stage.latent_shape(VideoSize(frames, height, width))
+    noise = torch.randn((len(prompts), *shape), generator=torch.Generator().manual_seed(seed))
+    cond = stage.condition(list(prompts))
+    uncond = stage.condition([""] * len(prompts)) if sampler.guidance_scale != 1.0 else None
+    return stage.decode(stage.sample(sampler, noise, cond, uncond).latents)
+
+
+def evaluate_generator(transformer: torch.nn.Module, text_encoder: Modules, tokenizer,
+                       vae: torch.nn.Module, prompts: Sequence[str], batch_size: int = 16, seed: int = 0,
+                       **generate_kwargs) -> dict[str, torch.Tensor]:
+    """Synthetic GenEval of a generator's samples of ``prompts`` (batch ``i`` from seed ``seed + i``)."""
+    metric = SyntheticGenEval()
+    for i in range(0, len(prompts), batch_size):
+        batch = list(prompts[i:i + batch_size])
+        metric.update(generate(transformer, text_encoder, tokenizer, vae, batch, seed=seed + i // batch_size,
+                               **generate_kwargs), batch)
+    return metric.compute()

@@ -1,0 +1,1 @@
+"""Files on disk: the checkpoint protocol and its one verified loader, media, precomputed rows, the batch schema."""

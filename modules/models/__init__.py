@@ -1,0 +1,1 @@
+"""Models: cards of named experts, presets, generator families, refiner LMs, versions, caches, VAEs."""

@@ -1,0 +1,523 @@
+"""A model is a card of named experts.
+
+A ``ModelCard`` lists components by name (``text_encoder``, ``vae``, ``transformer``, ``refiner_0``…,
+``critic``), each an ``Expert``: a real model class from ``presets.py`` plus how it trains (optimizer,
+scheduler, clipping, accumulation) and whether it is sharded in its own DeepSpeed engine. Methods ask
+the card for *roles* — frozen copies such as ``transformer_reference`` or ``transformer_old`` — and the
+card keeps one integer weight version per component, bumped by ``callbacks.versions``.
+
+N prompt refiners are a number: ``num_refiners: 3`` with one ``refiner`` template expands to
+``refiner_0``, ``refiner_1``, ``refiner_2``, each with its own weights, optimizer and version.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+
+import torch
+from torch import nn
+
+from posttrain.modules.models import presets
+from posttrain.modules.models.cache import EmbeddingCache
+
+OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+Role = Literal["reference", "old", "ema", "teacher", "rollout"]
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO settings of one sharded expert (used by ``lit.engine.strategy``)."""
+
+    stage: Literal[2, 3] = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    # any further DeepSpeed config keys, merged last (e.g. {"zero_optimization": {"reduce_bucket_size": 1e6}})
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoraConfig:
+    """Train the expert through a peft LoRA adapter; its ``reference`` is itself with the adapter off."""
+
+    rank: int = 8
+    alpha: float = 8.0
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+
+
+@dataclass
+class Expert:
+    """One component of a card: a real model and how it trains."""
+
+    arch: presets.Arch
+    pretrained: Optional[str] = None
+    subfolder: Optional[str] = None
+    preset: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Optional[str] = None  # text encoders / LMs; None = ByT5Tokenizer()
+    trainable: bool = False
+    optimizer: Optional[OptimizerCallable] = None
+    scheduler: Optional[LRSchedulerCallable] = None
+    grad_clip: Optional[float] = 1.0
+    accumulate: int = 1  # step this expert's optimizer every `accumulate` iterations
+    sharded: bool = False
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    lora: Optional[LoraConfig] = None
+    gradient_checkpointing: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # start from the weights of this other expert of the card, after both are built (e.g. a DMD2 student
+    # and critic from the teacher; a block-causal student from a bidirectional teacher of the same config)
+    init_from: Optional[str] = None
+    # diffusers attention backend of a diffusers model (e.g. "flash", "_native_cudnn", "native"); None keeps SDPA
+    attention_backend: Optional[str] = None
+    # torch.compile in place (state dict unchanged): the model's forward; a VAE's encoder and decoder, which its
+    # encode/decode call (they never call its forward)
+    compile: bool = False
+    # convolution weights in channels-last memory (Conv3d: channels_last_3d, Conv2d: channels_last), so a conv
+    # net's activations follow; values unchanged, kernels rounded differently (~1e-5). What pays: a VAE on the CPU,
+    # whose decoder normalises over channels (bench/decode.py)
+    channels_last: bool = False
+
+    def __post_init__(self):
+        # `--…experts.NAME.init_from null` on the command line reaches a dict-valued card as the string 'None'
+        # (jsonargparse 4.x, through the model's class_path); read it, and 'null', as the null it was
+        for key in ("pretrained", "subfolder", "tokenizer", "init_from", "attention_backend"):
+            if getattr(self, key) in ("None", "null"):
+                setattr(self, key, None)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """An ``Expert.dtype`` name as a torch dtype."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class ModelCard(nn.Module):
+    """Named experts, their roles and their weight versions.
+
+    Args:
+        experts: component name -> ``Expert``. Names are free; methods look up ``transformer``,
+            ``text_encoder``, ``vae``, ``critic``, ``refiner_i`` by name.
+        num_refiners: how many copies of ``refiner`` to add, named ``refiner_0``…``refiner_{N-1}``.
+        refiner: the template of every refiner LM (independent weights and optimizer each).
+        text_max_length: tokens per prompt for the text encoder.
+        cache_size: prompt-embedding rows kept in memory (least recently used dropped first); rows keep the
+            text encoder's dtype.
+        cache_device: keep cached rows where the encoder runs (``model``) or in host memory (``cpu``; they
+            move to the device per batch) — at 512×4096 bf16 a row is 4 MiB.
+    """
+
+    def __init__(self, experts: dict[str, Expert], num_refiners: int = 0, refiner: Optional[Expert] = None,
+                 text_max_length: int = 64, cache_size: int = 8192, cache_device: Literal["model", "cpu"] = "model"):
+        super().__init__()
+        specs = dict(experts)
+        for i in range(num_refiners):
+            if refiner is None:
+                break
+            specs[f"refiner_{i}"] = copy.deepcopy(refiner)
+        self.specs: dict[str, Expert] = specs
+        self.num_refiners = num_refiners
+        self.text_max_length = text_max_length
+        self.cache_size_problem = f"cache_size={cache_size} must be >= 1" if cache_size < 1 else None
+        self._refiner_template = refiner
+        self.validate()
+        self.models = nn.ModuleDict()
+        self.tokenizers: dict[str, Any] = {}
+        self.roles: dict[str, tuple[str, str]] = {}  # role component name -> (source expert, role)
+        self.versions: dict[str, int] = {name: 0 for name in specs}
+        # expert -> what runs its forward instead of the model itself (``route``); a plain dict, so the
+        # runners are not submodules of the card (its state dict holds the models alone)
+        self._runners: dict[str, Callable[..., Any]] = {}
+        self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
+
+    def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
+        """Expert ``name``'s optimizer over ``params``; a refused setting names the expert's option."""
+        try:
+            return self.specs[name].optimizer(params)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"expert {name!r} optimizer: {err}; fix model.card.experts.{name}.optimizer.init_args "
+                             f"(e.g. a learning rate > 0)") from err
+
+    # ------------------------------------------------------------------ construction
+    def validate(self) -> None:
+        """All configuration problems of the card in one message."""
+        problems = []
+        if self.text_max_length < 1:
+            problems.append(f"text_max_length={self.text_max_length} must be >= 1 token per prompt (e.g. 64; Wan "
+                            f"pipelines use 512)")
+        if self.num_refiners < 0:
+            problems.append(f"num_refiners={self.num_refiners} must be >= 0")
+        if self.num_refiners > 0 and self._refiner_template is None:
+            problems.append(f"num_refiners={self.num_refiners} needs a `refiner:` expert template")
+        for name, spec in self.specs.items():
+            if "." in name or "/" in name or not name:
+                problems.append(f"expert name {name!r}: use letters, digits and '_' only")
+            if spec.arch not in presets.PRESETS:
+                problems.append(f"expert {name!r}: unknown arch {spec.arch!r}; choose one of {sorted(presets.PRESETS)}")
+            if spec.trainable and spec.optimizer is None:
+                problems.append(f"expert {name!r} is trainable but has no optimizer; add "
+                                f"`optimizer: {{class_path: torch.optim.AdamW, init_args: {{lr: 1e-4}}}}`")
+            if not spec.trainable and (spec.optimizer is not None or spec.scheduler is not None):
+                problems.append(f"expert {name!r} has an optimizer or scheduler but trainable=false: set `trainable: true` to train "
+                                f"it, or remove its optimizer and scheduler")
+            if spec.accumulate < 1:
+                problems.append(f"expert {name!r}: accumulate={spec.accumulate} must be >= 1")
+            if spec.pretrained is not None and (err := presets.check_pretrained(spec.pretrained)):
+                problems.append(f"expert {name!r}: {err}; give a local folder or remove `pretrained`")
+            if spec.lora is not None and not spec.trainable:
+                problems.append(f"expert {name!r} has a LoRA adapter but trainable=false")
+            if spec.init_from is not None and spec.pretrained is not None:
+                problems.append(f"expert {name!r}: both pretrained={spec.pretrained!r} and init_from={spec.init_from!r}; "
+                                f"init_from would copy {spec.init_from!r}'s weights over the folder's. Keep one (on the "
+                                f"command line: --model.init_args.card.experts.{name}.init_from null)")
+            if spec.init_from is not None:
+                source = self.specs.get(spec.init_from)
+                if source is None or spec.init_from == name:
+                    problems.append(f"expert {name!r}: init_from={spec.init_from!r} is not another expert of the "
+                                    f"card; choose one of {sorted(n for n in self.specs if n != name)}")
+                elif source.init_from is not None:
+                    problems.append(f"expert {name!r}: init_from={spec.init_from!r}, which itself has init_from="
+                                    f"{source.init_from!r}; point {name!r} at {source.init_from!r} directly")
+            if spec.channels_last and spec.sharded:
+                problems.append(f"expert {name!r}: channels_last with sharded=true: DeepSpeed flattens a sharded "
+                                f"expert's weights into its own buffers; drop one of the two")
+            if spec.attention_backend is not None and spec.arch not in presets.DIFFUSERS_ARCHS:
+                problems.append(f"expert {name!r}: attention_backend is a diffusers option; {spec.arch!r} is a "
+                                f"transformers model")
+        if self.cache_size_problem:
+            problems.append(self.cache_size_problem)
+        if problems:
+            raise ValueError("invalid model card:\n  - " + "\n  - ".join(problems))
+
+    @property
+    def built(self) -> bool:
+        return len(self.models) > 0
+
+    def build(self, build_expert: Optional[Callable[[str, Expert], Optional[nn.Module]]] = None) -> None:
+        """Build every expert (random tiny preset or ``from_pretrained``) and freeze the frozen ones.
+
+        ``build_expert(name, expert)`` may build an expert its own way and return it (None: the usual way),
+        e.g. partitioned under ``deepspeed.zero.Init`` for an expert too large to build whole on one process.
+        An expert with ``init_from`` then takes the named expert's weights (before any LoRA adapter is added).
+        """
+        built = {}
+        for name, spec in self.specs.items():
+            try:
+                model = build_expert(name, spec) if build_expert is not None else None
+                built[name] = model if model is not None else presets.build_model(
+                    spec.arch, spec.pretrained, spec.subfolder, spec.preset, dtype_of(spec.dtype))
+            except ValueError as err:
+                raise ValueError(f"expert {name!r}: {err}") from err
+        for name, spec in self.specs.items():
+            if spec.init_from is not None:
+                # block expansion where both architectures lay out their blocks alike (a causal student of a Wan)
+                arch, source = presets.architecture(spec.arch), presets.architecture(self.specs[spec.init_from].arch)
+                alike = (arch.blocks, arch.residual_outputs) == (source.blocks, source.residual_outputs)
+                hidden, differ = widening(arch, built[spec.init_from], built[name]) if alike else (None, [])
+                what = f"expert {name!r} (init_from={spec.init_from!r}" + (
+                    f"; they differ in {', '.join(differ)}, which widening keeps" if differ else "") + ")"
+                copy_weights(built[spec.init_from], built[name], what, blocks=arch.blocks if alike else None,
+                             residual_outputs=arch.residual_outputs, widen=hidden)
+        for name, spec in self.specs.items():
+            model = built[name]
+            tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
+            if tokenizer is not None:
+                self.tokenizers[name] = tokenizer
+            if spec.lora is not None:  # after init_from: the copied weights are the adapter's base
+                presets.add_lora(model, spec.lora)
+            if spec.gradient_checkpointing and hasattr(model, "enable_gradient_checkpointing"):
+                model.enable_gradient_checkpointing()
+            elif spec.gradient_checkpointing:
+                model.gradient_checkpointing_enable()
+            if spec.attention_backend is not None:
+                model.set_attention_backend(spec.attention_backend)
+            if spec.channels_last and not to_channels_last(model):
+                raise ValueError(f"expert {name!r}: channels_last=true, but {type(model).__name__} has no 2-D or 3-D "
+                                 f"convolution to lay out; remove the option")
+            if spec.compile:
+                compile_in_place(model)
+            self.models[name] = model
+            if not spec.trainable:
+                freeze(model)
+
+    def add_role(self, role: Role, of: str) -> str:
+        """A frozen copy of expert ``of`` for ``role``, registered as component ``f"{of}_{role}"``.
+
+        A LoRA expert's ``reference`` is no copy: it is the expert with its adapter switched off
+        (see ``use``), the usual memory saver in diffusion RL.
+        """
+        if of not in self.specs:
+            raise KeyError(f"no expert {of!r} on the card; experts: {sorted(self.specs)}")
+        name = f"{of}_{role}"
+        if name in self.roles:
+            return name
+        self.roles[name] = (of, role)
+        self.versions[name] = self.versions[of]
+        if role == "reference" and self.specs[of].lora is not None:
+            return name
+        clone = copy.deepcopy(self.models[of])
+        freeze(clone)
+        self.models[name] = clone
+        return name
+
+    # ------------------------------------------------------------------ access
+    def __getitem__(self, name: str) -> nn.Module:
+        """The module that runs component ``name``: its model (``card.models[name]``, always the model itself),
+        or, for an expert a strategy routed (``route``), the model whose forward runs through that runner. A
+        LoRA reference is its source (use ``card.use(name)`` to run it with the adapter off)."""
+        source = self.roles[name][0] if name in self.roles and name not in self.models else name
+        if source not in self.models:
+            raise KeyError(f"no component {name!r} on the card; components: {sorted(self.models)}")
+        model = self.models[source]
+        runner = self._runners.get(source)
+        return model if runner is None else Routed(model, runner)
+
+    def route(self, name: str, runner: Callable[..., Any]) -> None:
+        """Run expert ``name``'s forward through ``runner`` from now on (a DeepSpeed engine: its forward registers
+        the backward hooks its ZeRO optimizer needs). ``card.models[name]`` stays the model."""
+        self._runners[name] = runner
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[nn.Module]:
+        """The module to run for component ``name`` (adapters off for a LoRA reference)."""
+        if name in self.roles and name not in self.models:
+            model = self.models[self.roles[name][0]]
+            model.disable_adapters()
+            try:
+                yield self[name]
+            finally:
+                model.enable_adapters()
+        else:
+            yield self[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.specs or name in self.roles
+
+    @property
+    def trainable(self) -> list[str]:
+        return [name for name, spec in self.specs.items() if spec.trainable]
+
+    @property
+    def refiners(self) -> list[str]:
+        return [f"refiner_{i}" for i in range(self.num_refiners)]
+
+    def parameters_of(self, name: str) -> list[nn.Parameter]:
+        return [p for p in self.models[name].parameters() if p.requires_grad]
+
+    def signature(self) -> dict[str, dict[str, Any]]:
+        """What a checkpoint must match to be loaded into this card: names, classes, training flags."""
+        sig = {name: {"arch": spec.arch, "trainable": spec.trainable, "sharded": spec.sharded,
+                      "lora": spec.lora is not None} for name, spec in self.specs.items()}
+        sig.update({name: {"role_of": of, "role": role} for name, (of, role) in self.roles.items()})
+        return sig
+
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """Where each expert's weights come from (plain types: written into checkpoints and read by export)."""
+        return {name: {"arch": spec.arch, "pretrained": spec.pretrained, "subfolder": spec.subfolder,
+                       "preset": dict(spec.preset), "tokenizer": spec.tokenizer, "dtype": spec.dtype,
+                       "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora),
+                       "init_from": spec.init_from}
+                for name, spec in self.specs.items()}
+
+    def reloadable(self) -> list[str]:
+        """Frozen experts whose weights a file holds (``pretrained`` or a shipped trained asset): checkpoints leave
+        them out and a resume reloads them from there. A frozen expert of random preset weights (no file) stays
+        in checkpoints; so do roles (EMA, old, reference), which move or copy a trained expert."""
+        names = []
+        for name, spec in self.specs.items():
+            from_file = presets.loads_weights(spec.arch, spec.pretrained, spec.preset)
+            if not spec.trainable and from_file and spec.init_from is None and name in self.models:
+                names.append(name)
+        return names
+
+    def weights_digest(self, name: str) -> str:
+        """SHA-256 of expert ``name``'s weights (names, dtypes, shapes, bytes), to tell that a source changed."""
+        digest = hashlib.sha256()
+        for key, tensor in sorted(self.models[name].state_dict().items()):
+            tensor = tensor.detach().cpu().contiguous()
+            digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return digest.hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        return {name: asdict(spec) | {"optimizer": repr(spec.optimizer)} for name, spec in self.specs.items()}
+
+    # ------------------------------------------------------------------ text
+    def text_embeds(self, encoder: str, prompts: list[str],
+                    compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
+        """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
+        ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
+        return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+
+class Routed:
+    """A model whose forward runs through a runner (``ModelCard.route``); everything else — config, parameters,
+    methods such as ``generate`` or ``new_cache``, ``isinstance`` — is the model's. The one place a DeepSpeed
+    engine stands in for its model: every caller of ``card[name]`` runs the engine and reads the model."""
+
+    __slots__ = ("model", "runner")
+
+    def __init__(self, model: nn.Module, runner: Callable[..., Any]):
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "runner", runner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Routed.__slots__:  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @property  # isinstance(card[name], WanTransformer3DModel) holds for a routed expert too
+    def __class__(self):
+        return type(self.model)
+
+
+@torch.no_grad()
+def to_channels_last(model: nn.Module) -> int:
+    """Every Conv2d / Conv3d weight of ``model`` to channels-last memory in place (the same values and state-dict
+    keys; ``load_state_dict`` copies into the layout); returns how many."""
+    formats = {nn.Conv2d: torch.channels_last, nn.Conv3d: torch.channels_last_3d}
+    count = 0
+    for module in model.modules():
+        fmt = next((f for kind, f in formats.items() if isinstance(module, kind)), None)
+        if fmt is not None:
+            module.weight.data = module.weight.data.contiguous(memory_format=fmt)
+            count += 1
+    return count
+
+
+def compile_in_place(model: nn.Module) -> None:
+    """``nn.Module.compile`` what serving runs: an autoencoder's ``encoder`` and ``decoder`` (diffusers' ``encode`` and
+    ``decode`` call them, never the VAE's own forward, so compiling that would change nothing), else the forward."""
+    parts = [getattr(model, name) for name in ("encoder", "decoder")
+             if hasattr(model, "decode") and isinstance(getattr(model, name, None), nn.Module)]
+    for part in parts or [model]:
+        part.compile()
+
+
+def widening(arch: presets.Architecture, source: nn.Module, target: nn.Module) -> tuple[Optional[int], list[str]]:
+    """(the source's hidden size, []) where ``target`` may be a widened ``source``: both configs agree on every key
+    but the architecture's ``widths`` and ``layer_keys``; (None, the keys they differ in) where they do not, and
+    (None, []) for an architecture that names no width."""
+    if not arch.widths or arch.hidden_size is None:
+        return None, []
+    configs = [presets.config_dict(m.config) for m in (source, target)]
+    free = set(arch.widths) | set(arch.layer_keys)
+    shared = (set(configs[0]) & set(configs[1])) - free
+
+    def plain(value: Any) -> Any:  # a config read from JSON holds lists where a preset wrote tuples
+        return list(value) if isinstance(value, tuple) else value
+
+    differ = sorted(f"{key} ({configs[0][key]} vs {configs[1][key]})" for key in shared
+                    if not key.startswith("_") and plain(configs[0][key]) != plain(configs[1][key]))
+    return (None, differ) if differ else (int(arch.hidden_size(configs[0])), [])
+
+
+def _widened(tensor: torch.Tensor, shape: torch.Size, hidden: int, inputs: tuple[int, ...],
+             generator: torch.Generator) -> torch.Tensor:
+    """``tensor`` widened to ``shape`` (each dim the same or an integer multiple r): along a dim, every run of
+    ``hidden`` entries (the whole dim where it is no multiple of ``hidden``) is repeated r times in place, so a
+    (6·d) projection whose consumer splits it into 6 chunks of d keeps that layout. Along the ``inputs`` dims (the
+    input features of a Linear or convolution) the r copies of each weight share it at random (shares drawn in
+    [0.5, 1.5] and normalised), summing to it: the layer sees each source feature r times and computes what it did,
+    and the copies of a unit, fed by different shares, get different gradients (Net2Net's random split: no two
+    copies stay equal)."""
+    for dim, (n, m) in enumerate(zip(tensor.shape, shape)):
+        if n == m:
+            continue
+        r, chunk = m // n, hidden if n % hidden == 0 else n
+        moved = tensor.movedim(dim, 0)
+        rest = moved.shape[1:]
+        tiled = moved.reshape(n // chunk, 1, chunk, *rest).expand(n // chunk, r, chunk, *rest)
+        if dim in inputs:
+            share = 1.0 + 0.5 * (2 * torch.rand(tiled.shape, generator=generator, dtype=torch.float64) - 1)
+            tiled = (tiled.double() * share / share.sum(1, keepdim=True)).to(tensor.dtype)
+        tensor = tiled.reshape(m, *rest).movedim(0, dim)
+    return tensor
+
+
+@torch.no_grad()
+def copy_weights(source: nn.Module, target: nn.Module, what: str, blocks: Optional[str] = None,
+                 residual_outputs: tuple[str, ...] = (), widen: Optional[int] = None) -> None:
+    """``target``'s parameters and buffers set to ``source``'s (same names and shapes, dtype of the target).
+
+    Block expansion (LLaMA Pro, Wu et al. 2024): where ``target`` has r times the source's ``blocks`` (the name of
+    their ``ModuleList``), source block i becomes target blocks r·i … r·i + r − 1, the copies after the first with
+    their ``residual_outputs`` zeroed, so each copy is the identity and the deeper target computes exactly the
+    source's function, every new block trainable from there.
+
+    Widening (Net2Net, Chen et al. 2016), where ``widen`` is the source's hidden size: a tensor whose dims are
+    integer multiples of the source's is the source's with every unit repeated and each Linear's or convolution's
+    input weights split at random among the copies (``_widened``): the wider target computes the source's function
+    (to rounding) with its copies free to part. Only for experts that differ in width alone (``widening``).
+
+    A ZeRO-3 partitioned model (built under ``deepspeed.zero.Init``) is gathered for the copy; the target is
+    written back from rank 0, where every process computed the same values.
+    """
+    with _gathered(source), _gathered(target, modifier=True):
+        src = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+        dst = {**dict(target.named_parameters()), **dict(target.named_buffers())}
+        origin, zeroed = {key: key for key in dst}, set()
+        if blocks is not None:
+            block = re.compile(rf"{re.escape(blocks)}\.(\d+)\.(.*)")  # "blocks.3.attn1.to_q.weight" -> 3, the rest
+            have, want = ({m[1] for k in keys if (m := block.match(k))} for keys in (src, dst))
+            have, want = len(have), len(want)
+            if have and want > have:
+                if want % have:
+                    raise ValueError(f"{what}: the target has {want} {blocks}, the source {have}; a deeper expert "
+                                     f"takes a multiple of its source's blocks (block expansion), e.g. {2 * have}")
+                copies = want // have
+                for key in dst:
+                    if m := block.match(key):
+                        index, rest = int(m[1]), m[2]
+                        origin[key] = f"{blocks}.{index // copies}.{rest}"
+                        if index % copies and any(rest.startswith(f"{layer}.") for layer in residual_outputs):
+                            zeroed.add(key)
+        missing = sorted(k for k in dst if origin[k] not in src)
+        extra = sorted(set(src) - set(origin.values()))
+
+        def widens(key: str) -> bool:
+            have, want = src[origin[key]].shape, dst[key].shape
+            return widen is not None and len(have) == len(want) and all(w % h == 0 for h, w in zip(have, want))
+
+        shapes = [k for k in dst if origin[k] in src and src[origin[k]].shape != dst[k].shape and not widens(k)]
+        if missing or extra or shapes:
+            raise ValueError(f"{what}: the source's weights do not fit: missing {missing[:3]}, unexpected "
+                             f"{extra[:3]}, other shapes "
+                             f"{[(k, tuple(src[origin[k]].shape), tuple(dst[k].shape)) for k in shapes[:3]]}; give "
+                             f"both experts the same architecture (arch and preset; a deeper one may take a "
+                             f"multiple of its blocks, a wider one multiples of its width)")
+        inputs = {f"{name}.weight" for name, module in target.named_modules()
+                  if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))}
+        generator = torch.Generator().manual_seed(0)  # the same widened weights on every process and every build
+        for key, tensor in dst.items():
+            value = src[origin[key]]
+            if value.shape != tensor.shape:
+                value = _widened(value, tensor.shape, widen, (1,) if key in inputs else (), generator)
+            tensor.copy_(value.to(tensor.dtype))
+            if key in zeroed:
+                tensor.zero_()
+
+
+def _gathered(model: nn.Module, modifier: bool = False):
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modifier else None)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode, no gradients, zero dropout: a frozen component gives the same output for the same input."""
+    model.eval()
+    model.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model

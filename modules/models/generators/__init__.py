@@ -1,0 +1,248 @@
+"""Generator architectures as adapters, and the stage that binds one to a card.
+
+The sampler, the SDE step, the C2 check and every method are one code path over all generators. What
+differs between architectures lives in an adapter (FastVideo's ``ModelBase`` idea, diffusers' pipelines
+as the reference of each): how the text stack encodes a prompt, what else the transformer reads (a
+conditioning image), how the transformer is called as a velocity, how latents are shaped, and what the
+pipeline passes to ``scheduler.set_timesteps``. All of it is one ``Conditioning`` per batch.
+
+Every adapter keeps latents as ``(B, C, F', h, w)`` (an image is one frame), so decoding, rewards,
+finetuning and the SDE are shared; an architecture that runs on another layout converts inside
+``velocity`` (FLUX packs 2×2 patches into tokens there, exactly as ``FluxPipeline._pack_latents``).
+
+| adapter | pipeline | conditioning (all (B, ...)) |
+|---|---|---|
+| ``WanT2V`` | ``WanPipeline`` | ``encoder_hidden_states`` (B, L, D) |
+| ``WanI2V`` | ``WanImageToVideoPipeline`` | + ``image_latents`` (B, T + C, F', h, w): first-frame mask (T = the VAE's temporal factor) and the VAE latents of [image, zeros]; + ``encoder_hidden_states_image`` (B, N, D') with a Wan 2.1 image encoder |
+| ``Flux`` | ``FluxPipeline`` | ``encoder_hidden_states`` (B, L, D) from T5, ``pooled_projections`` (B, D) from CLIP, ``guidance`` (B,) for guidance-distilled weights |
+
+Each family file declares its ``ARCHITECTURES`` (``base.Architecture``: class, preset, asset, adapter, …); this
+package imports every module in it and collects them, so a new family is one new file and no edit here:
+``ARCHITECTURES`` is every family's, ``ADAPTERS`` the adapter of each generator architecture.
+
+A ``GeneratorStage`` binds an adapter to the experts of a card (``transformer``, ``vae``, the text
+encoders, an image encoder, by name), so methods say ``stage.condition(prompts)``,
+``stage.velocity("transformer_ema")`` or ``stage.decode(latents)`` and never name a component or call a
+model themselves. Several stages can share one card under name prefixes (``t2i_transformer``,
+``i2v_transformer``: ``GeneratorStage.named(card, "t2i")``), which is how a workflow holds its models.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+
+from posttrain.modules.models import vae as vae_codec
+from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.models.generators.base import Architecture, GeneratorAdapter, VideoSize
+from posttrain.modules.models.generators.flux import Flux, clip_pooled_embeds, t5_embeds
+from posttrain.modules.models.generators.wan import WanI2V, WanT2V, umt5_embeds, wan21_image_processor, wan_text_states, wan_tokens
+from posttrain.modules.flow.samplers import FlowMatchSampler, Schedule, Trajectory, VelocityFn
+
+if TYPE_CHECKING:
+    from posttrain.modules.models.cards import ModelCard
+
+__all__ = ["ADAPTERS", "ARCHITECTURES", "Architecture", "GeneratorAdapter", "GeneratorStage", "VideoSize", "WanT2V",
+           "WanI2V", "Flux", "wan_tokens", "wan_text_states", "umt5_embeds", "wan21_image_processor",
+           "clip_pooled_embeds", "t5_embeds"]
+
+
+def _families() -> dict[str, Architecture]:
+    """The ``ARCHITECTURES`` of every module of this package (one family per file), by name."""
+    found: dict[str, Architecture] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for name, arch in getattr(module, "ARCHITECTURES", {}).items():
+            if name in found:
+                raise ValueError(f"arch {name!r} is declared twice in modules/models/generators/ (again in {info.name}.py)")
+            adapter = arch.adapter
+            if adapter is not None and len(adapter.text_encoder_archs) != len(adapter.text_encoders):
+                raise ValueError(f"{info.name}.py: {type(adapter).__name__}.text_encoder_archs must name the arch of "
+                                 f"each of its text_encoders {adapter.text_encoders}")
+            found[name] = arch
+    return found
+
+
+ARCHITECTURES: dict[str, Architecture] = _families()
+ADAPTERS: dict[str, GeneratorAdapter] = {name: arch.adapter for name, arch in ARCHITECTURES.items()
+                                         if arch.adapter is not None}
+
+
+@dataclass
+class GeneratorStage:
+    """One generator of a card: its adapter and the names of the experts it runs.
+
+    Args:
+        card: the card holding the experts.
+        transformer: the generator expert (roles such as ``transformer_ema`` are run by name).
+        vae: the VAE expert.
+        text_encoders: the text-encoder experts; None = the adapter's (``text_encoder``, …).
+        image_encoder: a Wan 2.1 I2V transformer's CLIP vision expert; None = ``image_encoder`` when the
+            card has one.
+        embedded_guidance: the guidance value a guidance-distilled FLUX embeds (FluxPipeline's
+            ``guidance_scale``); None = the adapter's default (``Flux.embedded_guidance``); ignored by weights
+            without ``guidance_embeds``.
+    """
+
+    card: ModelCard
+    transformer: str = "transformer"
+    vae: str = "vae"
+    text_encoders: Optional[tuple[str, ...]] = None
+    image_encoder: Optional[str] = None
+    embedded_guidance: Optional[float] = None
+
+    def __post_init__(self):
+        if self.image_encoder is None and self.card.has(self._prefix + "image_encoder"):
+            self.image_encoder = self._prefix + "image_encoder"
+
+    @property
+    def _prefix(self) -> str:
+        return self.transformer[: -len("transformer")] if self.transformer.endswith("transformer") else ""
+
+    @classmethod
+    def named(cls, card: ModelCard, prefix: str = "", **kwargs) -> "GeneratorStage":
+        """The stage of experts ``<prefix>_transformer``, ``<prefix>_vae``, ``<prefix>_text_encoder[_2]``
+        (no prefix: the plain names), the adapter's encoders under the same prefix."""
+        p = f"{prefix}_" if prefix else ""
+        stage = cls(card, transformer=f"{p}transformer", vae=f"{p}vae", **kwargs)
+        if stage.text_encoders is None and stage.arch in ADAPTERS:
+            stage.text_encoders = tuple(f"{p}{name}" for name in stage.adapter.text_encoders)
+        return stage
+
+    @property
+    def arch(self) -> Optional[str]:
+        spec = self.card.specs.get(self.transformer)
+        return spec.arch if spec is not None else None
+
+    @property
+    def adapter(self) -> GeneratorAdapter:
+        arch = self.arch
+        if arch not in ADAPTERS:
+            raise ValueError(f"expert {self.transformer!r} has arch {arch!r}, which is not a generator; "
+                             f"generators: {sorted(ADAPTERS)}")
+        return ADAPTERS[arch]
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        return tuple(self.text_encoders or self.adapter.text_encoders)
+
+    @property
+    def takes_image(self) -> bool:
+        return self.adapter.takes_image
+
+    def problems(self) -> list[str]:
+        """Experts this stage needs that the card lacks (collected into a method's start-up message)."""
+        problems = [f"the card has no {self.transformer!r}"] if not self.card.has(self.transformer) else []
+        arch = self.arch
+        if arch is not None and arch not in ADAPTERS:
+            problems.append(f"expert {self.transformer!r} has arch {arch!r}; a generator is one of {sorted(ADAPTERS)}")
+            return problems
+        if not self.card.has(self.vae):
+            problems.append(f"the card has no {self.vae!r}")
+        if arch is None:
+            return problems
+        wanted = self.adapter.text_encoders
+        if len(self.encoders) != len(wanted):
+            problems.append(f"{type(self.adapter).__name__} ({self.transformer!r}) reads {len(wanted)} text encoders "
+                            f"({', '.join(wanted)}), the stage names {list(self.encoders)}")
+        for role, name, kind in zip(wanted, self.encoders, self.adapter.text_encoder_archs):
+            if not self.card.has(name):
+                problems.append(f"the card has no {name!r}: {type(self.adapter).__name__} ({self.transformer!r}) reads "
+                                f"it as its {role}; add `{name}: {{arch: {kind}}}` to card.experts")
+        archs = [self.card.specs[n].arch for n in self.encoders if n in self.card.specs]
+        return problems + self.adapter.text_encoder_problems(self, archs)
+
+    def peer_problems(self, name: str, role: str, trainable: bool, hint: str = "") -> list[str]:
+        """Problems of another generator this stage runs by name (a teacher, a critic): on the card, driven by
+        the same adapter as the stage's transformer, and trainable or frozen as the method needs."""
+        spec = self.card.specs.get(name)
+        if spec is None:
+            return [f"the card has no {name!r} ({role}){hint}"]
+        problems = []
+        own = self.arch
+        if spec.arch not in ADAPTERS or (own in ADAPTERS and ADAPTERS[spec.arch] is not ADAPTERS[own]):
+            problems.append(f"{name!r} ({role}) has arch {spec.arch!r}; it must be a generator run like "
+                            f"{self.transformer!r} ({own!r})")
+        if trainable and not spec.trainable:
+            problems.append(f"{name!r} ({role}) trains: set `trainable: true` and give it an optimizer")
+        if not trainable and spec.trainable:
+            problems.append(f"{name!r} ({role}) must be frozen: set `trainable: false` and drop its optimizer")
+        return problems
+
+    # ------------------------------------------------------------------ conditioning
+    def condition(self, prompts: list[str], device: Optional[torch.device] = None, *,
+                  images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None) -> Conditioning:
+        """The conditioning of ``prompts`` (text rows cached by encoder version and prompt) and, for an
+        image-to-video generator, of the first frames ``images`` (B, 3, H, W) in [-1, 1] of ``size`` videos."""
+        return self.conditioning(prompts, 1.0, device, images=images, size=size)[0]
+
+    def conditioning(self, prompts: list[str], guidance_scale: float, device: Optional[torch.device] = None, *,
+                     images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None
+                     ) -> tuple[Conditioning, Optional[Conditioning]]:
+        """``prompts``' conditioning and, when CFG is on, the empty prompt's with the same image (the
+        pipelines' negative pass swaps only the text)."""
+        adapter = self.adapter
+        if adapter.takes_image and (images is None or size is None):
+            raise ValueError(f"{type(adapter).__name__} ({self.transformer!r}) generates from a first frame: give "
+                             f"it images (an image-producing stage before it in a workflow, or an `image`/`video` "
+                             f"in the batch)")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} conditioning images for {len(prompts)} prompts")
+        rest = adapter.extra(self, len(prompts))
+        if images is not None:
+            rest.update(adapter.image(self, images.to(device) if device is not None else images, size))
+        cond = Conditioning({**adapter.text(self, prompts), **rest}).to(device)
+        if guidance_scale == 1.0:
+            return cond, None
+        return cond, Conditioning({**adapter.text(self, [""] * len(prompts)), **rest}).to(device)
+
+    # ------------------------------------------------------------------ the transformer
+    @contextlib.contextmanager
+    def velocity(self, name: Optional[str] = None) -> Iterator[VelocityFn]:
+        """The velocity function of component ``name`` (default: the stage's transformer); a LoRA
+        reference runs the policy with its adapter off inside the context."""
+        adapter = self.adapter
+        with self.card.use(name or self.transformer) as module:
+            yield lambda x, t, cond, **model_kwargs: adapter.velocity(module, x, t, cond, **model_kwargs)
+
+    def new_cache(self, name: Optional[str] = None):
+        """An empty KV cache of component ``name`` (default: the stage's transformer), which must be block-causal."""
+        name = name or self.transformer
+        cache = self.adapter.new_cache(self.card[name])
+        if cache is None:
+            raise ValueError(f"sampler.chunk_frames samples chunk by chunk with a KV cache, but {name!r} "
+                             f"({self.card[name].__class__.__name__}) is not block-causal: give it "
+                             f"`arch: wan_t2v_causal`, or set sampler.chunk_frames: null")
+        return cache
+
+    def latent_shape(self, size: VideoSize) -> tuple[int, ...]:
+        """(C, F', h, w) latents of a ``size`` video, checked against the VAE and patch factors."""
+        return self.adapter.latent_shape(self.card[self.transformer], self.card[self.vae], size)
+
+    def schedule(self, sampler: FlowMatchSampler, latent_shape: tuple[int, ...],
+                 device: Optional[torch.device] = None) -> Schedule:
+        return sampler.schedule(device, **self.adapter.schedule_kwargs(sampler, latent_shape))
+
+    def sample(self, sampler: FlowMatchSampler, noise: torch.Tensor, cond: Conditioning,
+               uncond: Optional[Conditioning] = None, name: Optional[str] = None,
+               exit_step: Optional[int] = None, **kwargs) -> Trajectory:
+        """Denoise ``noise`` with component ``name`` through the one sampler (``kwargs``: ``sde``,
+        ``capture``, ``rng``; the CFG scale is the sampler's). Without grad, except with ``exit_step=k``: the
+        returned x̂0 of step k then carries the caller's grad (steps before it never do). With
+        ``sampler.chunk_frames`` the model is block-causal and samples chunk by chunk through a fresh KV cache."""
+        schedule = self.schedule(sampler, tuple(noise.shape[1:]), noise.device)
+        if sampler.chunk_frames is not None:
+            kwargs["kv_cache"] = self.new_cache(name)
+        with torch.no_grad() if exit_step is None else contextlib.nullcontext(), self.velocity(name) as fn:
+            return sampler.sample(fn, noise, cond, uncond, schedule=schedule, exit_step=exit_step, **kwargs)
+
+    # ------------------------------------------------------------------ pixels
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        return vae_codec.encode(self.card[self.vae], video)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return vae_codec.decode(self.card[self.vae], latents)

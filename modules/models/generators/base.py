@@ -1,0 +1,200 @@
+"""What a generator family provides: the adapter interface it implements, the architectures it registers, and
+the video size.
+
+A family file (``wan.py``, ``flux.py``, ``sd3.py``, …) subclasses ``GeneratorAdapter`` after its diffusers
+pipeline and declares ``ARCHITECTURES``: name -> ``Architecture`` (the real class, its tiny preset, its shipped
+asset, its adapter, and what estimate, export and the card need to know of it). ``modules.generators`` collects
+the ``ARCHITECTURES`` of every module of the package and ``modules.presets`` adds the shared components (text
+encoders, VAEs, LMs): a new family is one new file here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+
+import torch
+
+from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.flow.samplers import FlowMatchSampler
+
+if TYPE_CHECKING:
+    from posttrain.modules.models.generators import GeneratorStage
+
+# ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model uses this
+# vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them; their width is TEXT_DIM, which
+# the tiny generators read as their text width.
+BYT5_VOCAB = 384
+TEXT_DIM = 32
+
+
+@dataclass(frozen=True)
+class TrainingForward:
+    """The size of one training forward, for ``posttrain estimate``'s activation trace: ``rows`` samples,
+    ``text_length`` tokens per prompt (``card.text_max_length``; an LM: prompt plus generated tokens), and for a
+    generator its ``latent_shape`` (C, F', h, w) and its ``stage`` (on the meta card: configs, no weights)."""
+
+    rows: int
+    text_length: int
+    latent_shape: Optional[tuple[int, ...]] = None
+    stage: Optional["GeneratorStage"] = None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture a card can build by name (``arch:``): a real diffusers/transformers class and what the
+    package must know of it.
+
+    Args:
+        cls: the model class (a diffusers ``ModelMixin`` or a transformers ``PreTrainedModel``).
+        preset: its constructor config, shrunk so the embedded default trains on a CPU in seconds.
+        kind: ``generator`` (driven by ``adapter``), ``vae``, ``text_encoder``, ``image_encoder`` or ``lm``.
+            Text encoders and LMs get a tokenizer on the card.
+        adapter: how a generator is driven (one instance may serve several architectures).
+        asset: ``modules/assets/<name>`` ships trained weights of exactly this preset, loaded when the expert has
+            no ``preset`` overrides.
+        causal: a block-causal generator (samples chunk by chunk through a KV cache: ``sampler.chunk_frames``).
+        layer_keys: the config keys that count identical blocks (estimate traces 1 and 2 of each kind).
+        blocks: the name of the ``ModuleList`` of identical blocks, and ``residual_outputs`` the Linear layers inside
+            a block whose outputs are its residual branches: with them zeroed a block is the identity, so an
+            expert ``init_from`` a shallower one of the same architecture starts as exactly its function (block
+            expansion, LLaMA Pro: each source block followed by copies of itself whose residual outputs are zero).
+        widths: the config keys that set its width (Wan: the head count and ``ffn_dim``), and ``hidden_size`` its
+            residual stream's width from a config: an expert ``init_from`` one of the same architecture that differs
+            from it only in these (and ``layer_keys``), by integer multiples, starts as exactly its function
+            (widening: every unit copied, each copy's outgoing weights a random share of the source's).
+        tokenizer_length_key: the config key a tokenizer built for it pads to (``model_max_length``; CLIP's
+            position table), None for none.
+        inputs: a non-generator's training-forward input shapes, ``(config, TrainingForward) -> {name: shape}``
+            (a generator's come from its adapter).
+    """
+
+    cls: type
+    preset: dict[str, Any]
+    kind: Literal["generator", "vae", "text_encoder", "image_encoder", "lm"]
+    adapter: Optional["GeneratorAdapter"] = None
+    asset: bool = False
+    causal: bool = False
+    layer_keys: tuple[str, ...] = ()
+    blocks: Optional[str] = None
+    residual_outputs: tuple[str, ...] = ()
+    widths: tuple[str, ...] = ()
+    hidden_size: Optional[Callable[[Any], int]] = field(default=None, repr=False)
+    tokenizer_length_key: Optional[str] = None
+    inputs: Optional[Callable[[dict, TrainingForward], dict[str, tuple]]] = field(default=None, repr=False)
+
+    @property
+    def tokenized(self) -> bool:
+        return self.kind in ("text_encoder", "lm")
+
+    def training_inputs(self, config: dict, forward: TrainingForward) -> dict[str, tuple]:
+        """Shapes of one training forward's inputs (keyword -> shape; ``input_ids`` are integers, ``timestep`` a
+        timestep, the rest floats)."""
+        if self.adapter is not None:
+            return self.adapter.training_inputs(config, forward)
+        if self.inputs is not None:
+            return self.inputs(config, forward)
+        raise ValueError(f"no training-forward inputs are known for a {self.cls.__name__}")
+
+
+@dataclass(frozen=True)
+class VideoSize:
+    """Pixel size of what a method generates (rollouts, sample videos, ``predict``). An image is a
+    one-frame video. Wan's VAE needs ``frames = 4k + 1``; height and width must be multiples of the VAE's
+    spatial factor times the transformer's patch size (both read from the models' configs)."""
+
+    frames: int = 9
+    height: int = 32
+    width: int = 32
+
+
+def _config(model: torch.nn.Module):
+    return model.config
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+class GeneratorAdapter:
+    """How one architecture is driven. Subclasses follow their diffusers pipeline."""
+
+    #: text-encoder experts the architecture reads, in the pipeline's order (``text_encoder``, ``text_encoder_2``)
+    text_encoders: tuple[str, ...] = ("text_encoder",)
+    #: the ``arch`` of each of them (what a card must give, and what a start-up message suggests); every family sets it
+    text_encoder_archs: tuple[str, ...] = ()
+    #: the text encoders in words, for a message about them
+    reads: str = "its text encoders"
+    #: whether the conditioning holds an image (the first frame of the video to generate)
+    takes_image: bool = False
+
+    def text_encoder_problems(self, stage: "GeneratorStage", archs: list[str]) -> list[str]:
+        """Problems of the stage's text encoders, whose ``arch`` are ``archs`` (in the order of ``text_encoders``)."""
+        if len(archs) != len(self.text_encoder_archs) or list(archs) == list(self.text_encoder_archs):
+            return []
+        give = " and ".join(f"`arch: {arch}`" for arch in self.text_encoder_archs)
+        return [f"{type(self).__name__} ({stage.transformer!r}) reads {self.reads}; {list(stage.encoders)} are "
+                f"{list(archs)}: give {give}"]
+
+    def text(self, stage: "GeneratorStage", prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The text part of the conditioning of ``prompts`` (rows cached by encoder version and prompt)."""
+        raise NotImplementedError
+
+    def image(self, stage: "GeneratorStage", images: torch.Tensor, size: VideoSize) -> dict[str, torch.Tensor]:
+        """The image part of the conditioning: ``images`` (B, 3, H, W) in [-1, 1] for a ``size`` output."""
+        raise ValueError(f"{type(self).__name__} generates from text alone; it takes no conditioning image")
+
+    def extra(self, stage: "GeneratorStage", batch_size: int) -> dict[str, torch.Tensor]:
+        """Further per-row inputs that are neither text nor image (FLUX's embedded guidance)."""
+        return {}
+
+    def velocity(self, transformer: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
+                 cond: Conditioning, **model_kwargs) -> torch.Tensor:
+        """``model_kwargs``: what a block-causal transformer takes besides (``kv_cache``, ``update_cache``)."""
+        raise NotImplementedError
+
+    def new_cache(self, transformer: torch.nn.Module):
+        """An empty KV cache of a block-causal ``transformer`` (chunked sampling); None if it has none."""
+        new_cache = getattr(transformer, "new_cache", None)
+        return new_cache() if callable(new_cache) else None
+
+    def latent_shape(self, transformer: torch.nn.Module, vae: torch.nn.Module, size: VideoSize) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def schedule_kwargs(self, sampler: FlowMatchSampler, latent_shape: tuple[int, ...]) -> dict:
+        """What the pipeline passes to ``scheduler.set_timesteps`` besides the step count."""
+        return {}
+
+    def training_inputs(self, config: dict, forward: "TrainingForward") -> dict[str, tuple]:
+        """Shapes of the transformer's inputs in one training forward (``forward.latent_shape`` latents, as the
+        velocity call passes them), for ``posttrain estimate``; nothing is allocated."""
+        raise NotImplementedError
+
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline that serves this architecture (what export writes a folder for)."""
+        raise NotImplementedError
+
+    def pipeline_components(self, transformer: torch.nn.Module, vae: torch.nn.Module,
+                            text_encoders: list[tuple[torch.nn.Module, Any]],
+                            image_encoder: Optional[torch.nn.Module] = None) -> dict:
+        """The pipeline's components but the scheduler: ``text_encoders`` as (model, tokenizer) pairs, in the
+        order of ``text_encoders``, under the pipeline's names (``text_encoder``, ``tokenizer``,
+        ``text_encoder_2``, ``tokenizer_2``, …)."""
+        if image_encoder is not None:
+            raise ValueError(f"{type(self).__name__} takes no image encoder")
+        components = {"transformer": transformer, "vae": vae}
+        for i, (encoder, tokenizer) in enumerate(text_encoders):
+            suffix = "" if i == 0 else f"_{i + 1}"
+            components[f"text_encoder{suffix}"], components[f"tokenizer{suffix}"] = encoder, tokenizer
+        return components
+
+    def pipeline(self, components: dict):
+        """The pipeline object of exported ``components`` (transformer, vae, text_encoder[_2], tokenizer[_2],
+        scheduler, image_encoder, image_processor), ready for ``save_pretrained``."""
+        return self.pipeline_class()(**components)
+
+    def pipeline_call(self, serving: dict) -> dict:
+        """The keyword arguments that make the pipeline sample as ``predict`` does (written to ``serving.json``),
+        from a run's ``serving_settings``."""
+        return {"num_inference_steps": serving["num_inference_steps"], "guidance_scale": serving["guidance_scale"],
+                "max_sequence_length": serving["max_sequence_length"], "num_frames": serving["num_frames"],
+                "height": serving["height"], "width": serving["width"]}

@@ -1,0 +1,151 @@
+"""FLUX text-to-image (``FluxPipeline``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from diffusers import FluxTransformer2DModel
+
+from posttrain.modules.models import vae as vae_codec
+from posttrain.modules.models.generators.base import TEXT_DIM, Architecture, GeneratorAdapter, _config, _dtype
+
+if TYPE_CHECKING:
+    from posttrain.modules.models.cards import ModelCard
+
+
+def clip_pooled_embeds(tokenizer, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
+    """(B, D) float32 ``CLIPTextModel.pooler_output`` (``FluxPipeline._get_clip_prompt_embeds``: padded to the
+    tokenizer's ``model_max_length``, no attention mask), with gradient (pretraining trains the encoder)."""
+    ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                    return_tensors="pt").input_ids
+    return model(ids.to(next(model.parameters()).device), output_hidden_states=False).pooler_output.float()
+
+
+def t5_embeds(tokenizer, model: torch.nn.Module, prompts: list[str], max_length: int) -> torch.Tensor:
+    """(B, L, D) float32 T5 last hidden states (``FluxPipeline._get_t5_prompt_embeds``: padded to
+    ``max_length``, no attention mask, padding not zeroed), with gradient."""
+    ids = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True,
+                    return_tensors="pt").input_ids
+    return model(ids.to(next(model.parameters()).device), output_hidden_states=False)[0].float()
+
+
+@torch.no_grad()
+def clip_pooled(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+    return clip_pooled_embeds(card.tokenizers[encoder], card[encoder], prompts)
+
+
+@torch.no_grad()
+def t5_states(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+    return t5_embeds(card.tokenizers[encoder], card[encoder], prompts, card.text_max_length)
+
+
+class Flux(GeneratorAdapter):
+    """FLUX text-to-image (``FluxPipeline``): CLIP's pooled vector and T5's token states as text, 2×2
+    patches of the latents packed into tokens with (0, row, column) position ids, the timestep as σ
+    (t / 1000), and for guidance-distilled weights (``guidance_embeds``) the embedded guidance value.
+    The σ grid is the pipeline's: ``linspace(1, 1/N, N)`` shifted by ``mu`` of the token count."""
+
+    text_encoders = ("text_encoder", "text_encoder_2")
+    text_encoder_archs = ("clip", "t5")
+    reads = "a CLIP text encoder (pooled) then a T5 encoder"
+    # what guidance-distilled weights embed unless the stage says otherwise: FluxPipeline's default guidance_scale
+    embedded_guidance = 3.5
+
+    def pipeline_class(self):
+        # imported on use: the FLUX pipeline module imports transformers' image processors
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+
+    def text(self, stage, prompts):
+        if len(stage.encoders) != 2:
+            raise ValueError(f"Flux reads two text encoders (CLIP pooled, T5 tokens), got {list(stage.encoders)}")
+        clip, t5 = stage.encoders
+        card = stage.card
+        return {"encoder_hidden_states": card.text_embeds(t5, prompts, lambda missing: t5_states(card, t5, missing)),
+                "pooled_projections": card.text_embeds(clip, prompts,
+                                                       lambda missing: clip_pooled(card, clip, missing))}
+
+    def extra(self, stage, batch_size):
+        if not _config(stage.card[stage.transformer]).guidance_embeds:
+            return {}
+        value = self.embedded_guidance if stage.embedded_guidance is None else stage.embedded_guidance
+        return {"guidance": torch.full((batch_size,), float(value))}
+
+    @staticmethod
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        """(B, C, 1, h, w) -> (B, h/2·w/2, 4C) tokens (``FluxPipeline._pack_latents``)."""
+        B, C, _, h, w = x.shape
+        return x[:, :, 0].reshape(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (h // 2) * (w // 2), 4 * C)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """(B, h/2·w/2, 4C) -> (B, C, 1, h, w) (``FluxPipeline._unpack_latents``)."""
+        B, _, D = tokens.shape
+        x = tokens.reshape(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(B, D // 4, h, w)[:, :, None]
+
+    def velocity(self, transformer, x, timestep, cond):
+        dtype = _dtype(transformer)
+        h, w = x.shape[-2:]
+        # (h/2·w/2, 3) position ids of the packed 2x2 latent tokens
+        img_ids = self.pipeline_class()._prepare_latent_image_ids(x.shape[0], h // 2, w // 2, x.device, dtype)
+        text = cond["encoder_hidden_states"]
+        txt_ids = torch.zeros(text.shape[1], 3, device=x.device, dtype=dtype)  # FluxPipeline.encode_prompt
+        guidance = cond.get("guidance")
+        v = transformer(hidden_states=self.pack(x).to(dtype), timestep=(timestep / 1000).to(dtype),
+                        guidance=None if guidance is None else guidance.to(x.device, torch.float32),
+                        pooled_projections=cond["pooled_projections"].to(dtype), encoder_hidden_states=text.to(dtype),
+                        txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        return self.unpack(v, h, w)
+
+    def pipeline_call(self, serving):
+        # FluxPipeline's `guidance_scale` is the embedded guidance; classifier-free guidance is `true_cfg_scale`
+        # with a negative prompt (the empty prompt, as here)
+        cfg, embedded = serving["guidance_scale"], serving.get("embedded_guidance")
+        call = {"num_inference_steps": serving["num_inference_steps"], "max_sequence_length": serving["max_sequence_length"],
+                "height": serving["height"], "width": serving["width"],
+                "guidance_scale": self.embedded_guidance if embedded is None else embedded}
+        return call | ({"true_cfg_scale": cfg, "negative_prompt": ""} if cfg != 1.0 else {})
+
+    def latent_shape(self, transformer, vae, size):
+        if size.frames != 1:
+            raise ValueError(f"video size: frames={size.frames}, but FLUX makes images: set frames: 1")
+        # the latents are packed in 2×2 patches: H and W multiples of 2 × the VAE's factor (FluxPipeline.check_inputs)
+        return vae_codec.latent_shape(vae, 1, size.height, size.width, patch=(2, 2))
+
+    def training_inputs(self, config, forward):
+        # FluxPipeline's packed 2x2 latent tokens, T5 states, CLIP pooled, position ids
+        _, _, h, w = forward.latent_shape
+        tokens, length, rows = (h // 2) * (w // 2), forward.text_length, forward.rows
+        shapes = dict(hidden_states=(rows, tokens, config["in_channels"]), timestep=(rows,),
+                      encoder_hidden_states=(rows, length, config["joint_attention_dim"]),
+                      pooled_projections=(rows, config["pooled_projection_dim"]), img_ids=(tokens, 3),
+                      txt_ids=(length, 3))
+        if config.get("guidance_embeds"):
+            shapes["guidance"] = (rows,)
+        return shapes
+
+    def schedule_kwargs(self, sampler, latent_shape):
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        n = sampler.num_steps
+        config = sampler.scheduler.config
+        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / n, n)
+        mu = calculate_shift((latent_shape[-2] // 2) * (latent_shape[-1] // 2), config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        return {"sigmas": sigmas, "mu": mu}
+
+
+ARCHITECTURES = {
+    # FLUX text-to-image, 0.47M parameters: 2×2 packed latents of the 16-channel image VAE (``vae_kl``) in (64),
+    # T5 tokens (joint_attention_dim) and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the
+    # head dim. A 32 px image is 8×8 latents, 16 tokens. The shipped asset: scripts/train_flux.py.
+    "flux": Architecture(FluxTransformer2DModel, dict(
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+        axes_dims_rope=(8, 12, 12),
+    ), "generator", adapter=Flux(), asset=True, layer_keys=("num_layers", "num_single_layers")),
+}

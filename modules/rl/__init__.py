@@ -1,0 +1,1 @@
+"""Reinforcement learning: GRPO settings, advantages, rollouts, workflows of stages, the RL losses."""

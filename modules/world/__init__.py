@@ -1,0 +1,1 @@
+"""The synthetic world: moving coloured shapes, their captions, user requests and a GenEval that reads facts from pixels."""
