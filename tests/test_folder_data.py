@@ -168,7 +168,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
     # the cached latents are what the VAE gives for the same pixels
     item = dm.train_dataset()[0]
     model = build_model("wan_vae", pretrained=vae.pretrained).eval()
-    pixels = folder.FolderDataset(dm.train_items, 5, 16, 16, 1, False).video(0)
+    pixels = folder.FolderDataset(dm.train_entries).video(0)
     assert torch.allclose(item["latents"], folder.vae_codec.encode(model, pixels[None])[0], atol=1e-5)
     calls.clear()
 
