@@ -11,7 +11,7 @@ the same disk, interleaved (ABAB…, then BABA… to cancel drift), ``--repeats`
 - for the split, a bare atomic write: ``torch.save`` to a temporary name, fsync, rename, fsync of the folder
   (durability without hash, manifest or link).
 
-    python bench/checkpoint_write.py [--repeats 30] [--folder runs/bench_checkpoint]
+    python -m bench.checkpoint_write [--repeats 30] [--folder runs/bench_checkpoint]
 """
 from __future__ import annotations
 
@@ -20,13 +20,11 @@ import hashlib
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402

@@ -5,25 +5,20 @@ compiled (``nn.Module.compile``: what the expert option does), with
 the same data, loss and AdamW, in alternating blocks (bench/timing.py). Compilation happens in the warm-up
 and is not timed; its one-off cost is printed.
 
-    python bench/compile.py                 # CPU, default preset
-    python bench/compile.py --device cuda   # on a GPU (bf16 autocast)
+    python -m bench.compile                 # CPU, default preset
+    python -m bench.compile --device cuda   # on a GPU (bf16 autocast)
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-from timing import compare, interleave  # noqa: E402
-
-from posttrain.modules.models import presets  # noqa: E402
-from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas# noqa: E402
+from bench.timing import compare, interleave
+from posttrain.modules.models import presets
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
 
 
 def stepper(model: torch.nn.Module, batch: int, device: str):

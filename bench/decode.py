@@ -6,22 +6,18 @@ convolutions write channels-last activations, so that reduction and the convolut
 channels. Both decode the same latents (the world's 5-frame clip, 2 latent frames of 8×8) in alternating blocks
 (bench/timing.py); the largest pixel difference and a profile of the stored layout's top operators are printed.
 
-    OMP_NUM_THREADS=1 python bench/decode.py                 # batch 8, the distillation bench's timing batch
-    OMP_NUM_THREADS=1 python bench/decode.py --batch 64
+    OMP_NUM_THREADS=1 python -m bench.decode                 # batch 8, experiments/distill.py's timing batch
+    OMP_NUM_THREADS=1 python -m bench.decode --batch 64
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-from timing import compare, interleave  # noqa: E402
-
-from posttrain.modules.models import vae as codec  # noqa: E402
-from posttrain.modules.models.cards import Expert, ModelCard  # noqa: E402
+from bench.timing import compare, interleave
+from posttrain.modules.models import vae as codec
+from posttrain.modules.models.cards import Expert, ModelCard
 
 
 def main() -> None:

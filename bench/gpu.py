@@ -21,10 +21,10 @@ MFU = model FLOPs (3 x the forward's, counted by ``torch.utils.flop_counter`` wi
 the device's dense bf16 peak (table below, or ``--peak-tflops``). Gradient checkpointing is on by default
 (as in real recipes: without it, one 81x480x832 sample needs ~130 GiB of activations).
 
-    python bench/gpu.py                 # one GPU, 1.3B shape; ~4-6 min on an H100/H200 (estimated: not yet run whole)
-    python bench/gpu.py --tiny          # CPU, tiny shape: the same code paths in a minute (tested)
-    python bench/gpu.py --skip offload  # parts to leave out: fewstep, plain, zero3, offload, rl, causal, attention
-    python bench/gpu.py --skip plain zero3 offload rl causal attention --fewstep-video 33x480x832  # the README's
+    python -m bench.gpu                 # one GPU, 1.3B shape; ~4-6 min on an H100/H200 (estimated: not yet run whole)
+    python -m bench.gpu --tiny          # CPU, tiny shape: the same code paths in a minute (tested)
+    python -m bench.gpu --skip offload  # parts to leave out: fewstep, plain, zero3, offload, rl, causal, attention
+    python -m bench.gpu --skip plain zero3 offload rl causal attention --fewstep-video 33x480x832  # docs/benchmarks.md
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 import traceback
 import warnings
@@ -44,17 +43,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from posttrain.lit.dmd2 import student_sampler
+from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
+from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize
+from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.rl.rollout import Rollout, train_steps
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from diffusers import FlowMatchEulerDiscreteScheduler
 
-from posttrain.lit.dmd2 import student_sampler  # noqa: E402
-from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig  # noqa: E402
-from posttrain.modules.flow.conditioning import Conditioning  # noqa: E402
-from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize  # noqa: E402
-from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas# noqa: E402
-from posttrain.modules.rl.rollout import Rollout, train_steps  # noqa: E402
-from posttrain.modules.flow.samplers import FlowMatchSampler  # noqa: E402
-from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # WanTransformer3DModel config of Wan2.1-T2V-1.3B-Diffusers (transformer/config.json)
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -132,7 +130,7 @@ class Device:
             return torch.cuda.max_memory_allocated(), "peak allocated (torch.cuda)"
         if model is None:
             return None, "n/a"
-        from memory import live_bytes
+        from bench.memory import live_bytes
 
         return live_bytes(model), "model states alive after the step (CPU: no allocator statistics)"
 

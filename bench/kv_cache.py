@@ -10,8 +10,8 @@ each block (cached first in even blocks, recompute first in odd ones), for k = 1
 over blocks with the interquartile range (IQR). The ratio at k = 8 is printed only when the effect (difference
 of the medians) exceeds the spread (sum of the two IQRs); otherwise the line says "too noisy".
 
-    python bench/kv_cache.py                      # tiny wan_t2v preset, 16x16 latents, chunks of 3 frames
-    python bench/kv_cache.py --blocks 21 --size 8 --threads 2
+    python -m bench.kv_cache                      # tiny wan_t2v preset, 16x16 latents, chunks of 3 frames
+    python -m bench.kv_cache --blocks 21 --size 8 --threads 2
 """
 from __future__ import annotations
 

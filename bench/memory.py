@@ -15,9 +15,9 @@ Step times come from a third process pair that holds both models and alternates 
 ZeRO-3 steps (``timing.py``): the ratio is reported with its spread, or "too noisy". Memory figures come
 from the first two pairs, where each mode is alone in its processes.
 
-    python bench/memory.py                       # 2 processes, CPU (from the repository root)
-    python bench/memory.py --precision bf16      # ZeRO-3 in bf16 (fp32 master weights), DDP fp32
-    python bench/memory.py --layers 4 --steps 2  # quicker
+    python -m bench.memory                       # 2 processes, CPU (from the repository root)
+    python -m bench.memory --precision bf16      # ZeRO-3 in bf16 (fp32 master weights), DDP fp32
+    python -m bench.memory --layers 4 --steps 2  # quicker
 
 On the CPU DeepSpeed keeps the fp32 master partition as a copy of the fp32 weight partition (it compares
 a ``torch.device`` with a device name), so fp32 ZeRO-3 holds 5 partitions of the model (weights, gradients,
@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import warnings
-
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import compare, interleave  # noqa: E402
+from bench.timing import compare, interleave
 
 
 def live_bytes(model: torch.nn.Module) -> int:

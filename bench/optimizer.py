@@ -1,29 +1,24 @@
 """AdamW's step on a Wan transformer's parameters: torch's default implementation vs ``fused=True``, interleaved.
 
-The recipes under configs/recipes/ set ``fused: true`` on their AdamW (issue 22: the GPU path fast where it is slow
-by construction). This bench measures what that buys, on the device it runs on: the same parameters, random
-gradients, ``--blocks`` candidate blocks of ``--per-block`` steps between baseline blocks (``timing.py``). The
-baseline is what ``torch.optim.AdamW`` picks with neither ``foreach`` nor ``fused`` set — the per-tensor loop on a
-CPU, ``foreach`` on a GPU. The two give equal updates up to float rounding (checked here on the first step).
+The recipes under configs/recipes/ set ``fused: true`` on their AdamW (on a GPU the fused kernel is the fast path;
+the per-tensor loop is slow by construction). This bench measures what that buys, on the device it runs on: the same
+parameters, random gradients, ``--blocks`` candidate blocks of ``--per-block`` steps between baseline blocks
+(``timing.py``). The baseline is what ``torch.optim.AdamW`` picks with neither ``foreach`` nor ``fused`` set — the
+per-tensor loop on a CPU, ``foreach`` on a GPU. The two give equal updates up to float rounding (checked here on the
+first step).
 
-    python bench/optimizer.py                         # 2 blocks of Wan2.1-1.3B's width (119M parameters), CPU
-    python bench/optimizer.py --layers 30 --device cuda   # the whole 1.3B transformer on a GPU
-    python bench/optimizer.py --tiny                  # the tiny shape, seconds (tested)
+    python -m bench.optimizer                         # 2 blocks of Wan2.1-1.3B's width (119M parameters), CPU
+    python -m bench.optimizer --layers 30 --device cuda   # the whole 1.3B transformer on a GPU
+    python -m bench.optimizer --tiny                  # the tiny shape, seconds (tested)
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import torch  # noqa: E402
-
-from gpu import TINY, WAN_1_3B  # noqa: E402
-from timing import compare, interleave  # noqa: E402
-from posttrain.modules.models import presets  # noqa: E402
+from bench.gpu import TINY, WAN_1_3B
+from bench.timing import compare, interleave
+from posttrain.modules.models import presets
 
 
 def optimizers(params: list[torch.nn.Parameter]) -> tuple[torch.optim.AdamW, torch.optim.AdamW]:

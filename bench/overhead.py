@@ -11,7 +11,7 @@ The two alternate in blocks inside one process (see ``timing.py``): a callback o
 plain blocks; a fit block is timed hook to hook and holds all Lightning does per iteration. Prints the
 medians, the paired ratio's spread and a verdict (goal <= 1.03).
 
-    python bench/overhead.py [--blocks 300] [--per-block 10] [--warmup 140] [--batch-size 4] [--progress-bar]
+    python -m bench.overhead [--blocks 300] [--per-block 10] [--warmup 140] [--batch-size 4] [--progress-bar]
 
 Many short blocks: on a shared machine the CPU time of one iteration wanders by ~10% over seconds even on one
 repeated batch, so only neighbouring blocks compare, and the median's interval narrows with their number.
@@ -21,20 +21,18 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
+from bench.timing import Blocks, compare  # noqa: E402
 from posttrain.lit.tools.config import PosttrainCLI  # noqa: E402
 from posttrain.modules.models import vae as vae_codec  # noqa: E402
 from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas# noqa: E402
-from timing import Blocks, compare  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "finetune.yaml")
 GOAL = 1.03

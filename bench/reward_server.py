@@ -10,9 +10,9 @@
    method with its reward replaced by ``RemoteReward`` to the same server; per iteration, the seconds the client
    waited for answers over the iteration's seconds (median over iterations).
 
-    python bench/reward_server.py                                       # SyntheticGenEvalReward, 16 videos of 5x32x32
-    python bench/reward_server.py --reward ColourAlignment --batch 64 --encoding uint8
-    python bench/reward_server.py --reward PickScore --reward-path /models/pickscore --batch 8
+    python -m bench.reward_server                                       # SyntheticGenEvalReward, 16 videos of 5x32x32
+    python -m bench.reward_server --reward ColourAlignment --batch 64 --encoding uint8
+    python -m bench.reward_server --reward PickScore --reward-path /models/pickscore --batch 8
 
 On a shared machine the two processes compete for the same cores: read the ratio with the load beside it.
 """
@@ -28,13 +28,11 @@ import time
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from bench.timing import compare, interleave
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.config import instantiate_part, parse
 from posttrain.modules.rewards.remote import RemoteReward
 from posttrain.modules.rewards.base import score
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import compare, interleave  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a magenta background"]

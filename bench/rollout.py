@@ -8,32 +8,30 @@
    log-probability, noise, capture), the forward's own speed-up (one forward of K rows against K
    forwards of one row, also interleaved), and the bound the rollout would reach if all but the
    forward were free.
-2. The prompt-embedding cache hit rate over a short joint_rl run built from ``configs/joint_rl.yaml``
-   (no logger, no checkpoints): the frozen text encoder's cache is keyed by (component, version,
-   prompt hash), so generator and refiner updates never flush it. Counts are deterministic.
+2. The prompt-embedding cache hit rate over a short joint_rl run built from the keyword game
+   ``tests/configs/joint_rl_keywords.yaml`` (random refiners, fast to roll out; no logger, no checkpoints): the
+   frozen text encoder's cache is keyed by (component, version, prompt hash), so generator and refiner updates
+   never flush it. Counts are deterministic.
 
-    OMP_NUM_THREADS=1 python bench/rollout.py     # K = 4, 8, 16, 9x32x32 video, 6 steps; 60 joint_rl iterations
-    python bench/rollout.py --group-sizes 8 --blocks 11 --iterations 0
+    OMP_NUM_THREADS=1 python -m bench.rollout     # K = 4, 8, 16, 9x32x32 video, 6 steps; 60 joint_rl iterations
+    python -m bench.rollout --group-sizes 8 --blocks 11 --iterations 0
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
 from lightning.pytorch import Callback, Trainer, seed_everything
 
+from bench.timing import compare, interleave
 from posttrain.modules.models.cards import Expert, ModelCard
 from posttrain.modules.models.generators import GeneratorStage, VideoSize
 from posttrain.modules.rl.rollout import Rollout
 from posttrain.modules.flow.samplers import FlowMatchSampler
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import compare, interleave  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "a red circle moving left on a blue background"
@@ -105,6 +103,9 @@ def bench_group(group_sizes: list[int], blocks: int, frames: int, size: int, ste
               f"{steps} forwards of {K} rows {forward / blocks * 1e3:.1f} ms, CPU)")
 
 
+CACHE_CONFIG = "tests/configs/joint_rl_keywords.yaml"  # the cache figure's run
+
+
 class CacheCounts(Callback):
     """Cumulative (hits, misses) of the card's prompt-embedding cache after every iteration."""
 
@@ -118,8 +119,7 @@ class CacheCounts(Callback):
 def bench_cache(iterations: int) -> None:
     from posttrain.lit.tools.config import PosttrainCLI
 
-    cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", "joint_rl.yaml"), "--trainer.logger=false"],
-                       run=False)
+    cli = PosttrainCLI(args=["--config", os.path.join(ROOT, CACHE_CONFIG), "--trainer.logger=false"], run=False)
     model, data = cli.model, cli.datamodule
     counts = CacheCounts()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=iterations, logger=False, enable_checkpointing=False,
@@ -129,9 +129,9 @@ def bench_cache(iterations: int) -> None:
     trainer.fit(model, data)
     elapsed = time.perf_counter() - t
     cache = model.card.cache
-    K, S = model.grpo.num_samples_per_prompt, model.num_skip_refinement
-    print(f"[cache] configs/joint_rl.yaml, N={model.card.num_refiners} refiners, K={K} "
-          f"(num_skip_refinement={S}), batch {data.batch_size} prompts, {iterations} iterations in {elapsed:.1f} s "
+    K, S = model.grpo.num_samples_per_prompt, model.refiner_args.num_unrefined
+    print(f"[cache] {CACHE_CONFIG}, N={model.card.num_refiners} refiners, K={K} "
+          f"(refiners.num_unrefined={S}), batch {data.batch_size} prompts, {iterations} iterations in {elapsed:.1f} s "
           f"({elapsed / iterations:.2f} s/iteration)")
     print(f"  text_encoder lookups {cache.hits + cache.misses}: hits {cache.hits}, misses (encoded) {cache.misses}, "
           f"hit rate {cache.hit_rate:.3f}; prompts cached {len(cache.keys_of('text_encoder'))}, all at "

@@ -27,8 +27,8 @@ sequence groups.
 Step time: blocks of ``whole`` and ``shared`` steps alternate in the same process pair (``timing.py``; rank 0's
 clock, a ``shared`` step ends in the all-to-all, so it includes waiting for rank 1); the ratio with its spread.
 
-    python bench/sequence_parallel.py              # 2 processes, CPU (from the repository root)
-    python bench/sequence_parallel.py --tiny       # a seconds-long smoke run
+    python -m bench.sequence_parallel              # 2 processes, CPU (from the repository root)
+    python -m bench.sequence_parallel --tiny       # a seconds-long smoke run
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import argparse
 import copy
 import os
 import socket
-import sys
 import tempfile
 
 import torch
@@ -44,8 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import compare, interleave  # noqa: E402
+from bench.timing import compare, interleave
 
 def write_config(folder: str, args) -> str:
     """A finetune config of this transformer and video size (tiny text encoder and VAE)."""

@@ -15,7 +15,7 @@ baseline measured twice on a loaded machine differed 20x). Every bench here ther
    the noise and it prints "too noisy" with the interval, not a ratio; against a goal it says met (the
    whole interval on the right side), missed (the whole interval on the wrong side) or undecided.
 
-    from timing import Blocks, compare        # bench/ is on sys.path when a bench runs
+    from bench.timing import Blocks, compare
     blocks = Blocks("plain", "fit")
     blocks.run("plain", lambda: step_plain(), n=20)   # or: with blocks.time("fit", n=20): ...
     print(compare(blocks, goal=1.03).report())

@@ -5,7 +5,7 @@ at before and after, and scored on evaluation captions the run never trained on.
    its own callbacks), sample the prompts of the sheet with the serving generator and the config's sampler
    (CFG included), ``fit``, sample them again from the same noise.
 2. Score, with synthetic GenEval, the held-out-concept captions of ``configs/eval/geneval.yaml`` (its seed
-   and concept: the same 32 as ``bench/results.py``) before and after, split into the captions that also
+   and concept: the same 32 as ``experiments/results.py``) before and after, split into the captions that also
    appear in the run's training data (at other layouts and noise) and those that never do. The world has
    only 120 captions with magenta, so nearly every evaluation caption is in a 512-sample epoch;
    ``--disjoint`` holds the evaluation's captions out of the training data (``exclude_captions``), so every
@@ -13,9 +13,9 @@ at before and after, and scored on evaluation captions the run never trained on.
 3. ``--sheet``: a PNG (matplotlib) of the sheet's prompts, one row each: the rendered data, the sample
    before, the sample after (every frame), with the facts GenEval reads back from each sample.
 
-    python bench/finetune_concept.py --sheet docs/finetune/samples.png          # one default run
-    python bench/finetune_concept.py --disjoint --seed 1                        # unseen captions, another seed
-    python bench/finetune_concept.py --set trainer.max_steps=100                # any override
+    python -m experiments.finetune_concept --sheet docs/finetune/samples.png   # one default run
+    python -m experiments.finetune_concept --disjoint --seed 1                 # unseen captions, another seed
+    python -m experiments.finetune_concept --set trainer.max_steps=100         # any override
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Why a Self-Forcing student with chunks of 1 latent frame draws a washed first frame: the statistics of the first
 latent frame, the teacher's against the chunked student's, and what the codec makes of them.
 
-    OMP_NUM_THREADS=1 python bench/first_frame.py                       # configs/self_forcing_long.yaml, untrained
-    OMP_NUM_THREADS=1 python bench/first_frame.py --prompts 8
+    OMP_NUM_THREADS=1 python -m experiments.first_frame               # configs/self_forcing_long.yaml, untrained
+    OMP_NUM_THREADS=1 python -m experiments.first_frame --prompts 8
 
 The Wan codec's first latent frame encodes one image (the later ones four frames each), so it has channel statistics
 of its own. Prints, over the prompts' samples (teacher: its sampler, CFG; student: the config's chunked sampler, the
@@ -13,14 +13,11 @@ latent frame is spliced into the teacher's clip (the same wash = the latent's, n
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill import bench_cli, held_out_prompts, samples  # noqa: E402
+from bench.fewstep import bench_cli, held_out_prompts, samples
 
 
 def rounded(values) -> list[float]:

@@ -4,9 +4,9 @@ logged every iteration the student steps by ``posttrain fit`` with a CSV logger,
 quarter of the fit for each GAN weight asked, beside how well the head tells the teacher's samples from the
 student's by the end (its mean probability on each). The baseline is the config's own weight, run in the same call.
 
-    python bench/gan_pull.py                                  # configs/dmd2.yaml at its weight and 100× it
-    python bench/gan_pull.py --weights 3e-3 3e-2 3e-1 --steps 400 --students 1
-    python bench/gan_pull.py --weights 3e-3 --steps 2400 --model.init_args.gan_critic_weight 1.0  # head loss ×100
+    python -m experiments.gan_pull                            # configs/dmd2.yaml at its weight and 100× it
+    python -m experiments.gan_pull --weights 3e-3 3e-2 3e-1 --steps 400 --students 1
+    python -m experiments.gan_pull --weights 3e-3 --steps 2400 --model.init_args.gan.critic_weight 1.0  # head loss ×100
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import csv
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 
 import yaml
@@ -35,7 +34,7 @@ def fit(config: str, root: str, steps: int, students: int, weight: float, extra:
                "--trainer.logger.init_args.save_dir", root, "--trainer.callbacks", "[]",
                "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
                "--model.init_args.student_steps", str(students),
-               "--model.init_args.gan_generator_weight", str(weight), *extra]
+               "--model.init_args.gan.generator_weight", str(weight), *extra]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"posttrain fit failed (weight {weight}):\n{done.stderr[-3000:]}")
@@ -58,9 +57,9 @@ def main() -> None:
                         help="GAN generator weights (default: the config's and 100 times it)")
     parser.add_argument("--steps", type=int, default=400, help="fit iterations")
     parser.add_argument("--students", type=int, default=2, help="the student's steps")
-    args, extra = parser.parse_known_args()  # the rest goes to the CLI, e.g. --model.init_args.gan_blocks [0,1]
+    args, extra = parser.parse_known_args()  # the rest goes to the CLI, e.g. --model.init_args.gan.blocks [0,1]
     with open(args.config) as f:
-        base = float(yaml.safe_load(f)["model"]["init_args"]["gan_generator_weight"])
+        base = float(yaml.safe_load(f)["model"]["init_args"]["gan"]["generator_weight"])
     weights = args.weights or [base, 100 * base]
     print(f"{args.config}, {args.students}-step student, {args.steps} iterations; {METRIC}: median per quarter")
     print("| GAN generator weight | student steps | 1st quarter | 2nd | 3rd | 4th | against the config's weight "

@@ -1,4 +1,4 @@
-"""How much of an RL update is signal: the gradient noise scale of flow_grpo and diffusion_nft (issue 18, section 3).
+"""How much of an RL update is signal: the gradient noise scale of flow_grpo and diffusion_nft.
 
 An RL step estimates the direction that raises the expected reward from one iteration's rollouts. When that
 estimate is mostly noise, Adam still takes a step of about the learning rate in every weight (it normalises the
@@ -21,10 +21,10 @@ B's interval takes |G|² within two jackknife standard errors (leave one iterati
 |G|² could not be told from 0.
 The last line is each config's noise scale in rollouts against the first config's (the baseline, same run).
 
-    OMP_NUM_THREADS=1 python bench/gradient_noise.py                         # diffusion_nft vs flow_grpo, 48 it.
-    OMP_NUM_THREADS=1 python bench/gradient_noise.py --configs diffusion_nft flow_grpo@2x4 flow_grpo \
+    OMP_NUM_THREADS=1 python -m experiments.gradient_noise                   # diffusion_nft vs flow_grpo, 48 it.
+    OMP_NUM_THREADS=1 python -m experiments.gradient_noise --configs diffusion_nft flow_grpo@2x4 flow_grpo \
         --set-for flow_grpo@2x4 data.init_args.batch_size=2 model.init_args.grpo.num_samples_per_prompt=4 \
-        model.init_args.reward.init_args.total=mean                          # flow_grpo's earlier 2 x 4 beside it
+        model.init_args.reward.init_args.total=mean                    # flow_grpo's earlier 2 x 4 beside it
 
 A run is a config of configs/ with an optional ``@label`` (the same config twice, each with its own ``--set-for``).
 """
@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 import tempfile
 import time
 
 import torch
 from lightning.pytorch import Callback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rl_captions import build  # noqa: E402  (bench/ is not a package)
+from bench.noise_scale import gram_of, interval, mean_cosine, noise_scale
+from experiments.rl_captions import build
 
 
 class Gradients(Callback):
@@ -62,53 +60,6 @@ class Gradients(Callback):
     def on_train_end(self, trainer, module) -> None:
         if self.handle is not None:
             self.handle.remove()
-
-
-def gram_of(grads: torch.Tensor, rows: int = 32) -> torch.Tensor:
-    """(n, n) float64 dot products of n gradients (n, P), a block of rows at a time (float64 copies stay small).
-    Every estimate below needs only these."""
-    out = torch.zeros(len(grads), len(grads), dtype=torch.float64)
-    blocks = [grads[i:i + rows].double() for i in range(0, len(grads), rows)]
-    for i, a in enumerate(blocks):
-        for j, b in enumerate(blocks[i:], start=i):
-            block = a @ b.T
-            out[i * rows:i * rows + len(a), j * rows:j * rows + len(b)] = block
-            out[j * rows:j * rows + len(b), i * rows:i * rows + len(a)] = block.T
-    return out
-
-
-def _estimates(total: torch.Tensor, diagonal: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tr Σ, |G|²) of n gradients from the sum of all their dot products and the sum of their squared norms."""
-    squared_mean = total / n ** 2  # |ḡ|²
-    trace = (diagonal - n * squared_mean) / (n - 1)  # Σ|g_i − ḡ|² / (n − 1)
-    return trace, squared_mean - trace / n
-
-
-def noise_scale(gram: torch.Tensor) -> tuple[float, float, float]:
-    """(B in iterations, tr Σ, |G|²) of the n gradients of ``gram`` (``gram_of``); B = ∞ when |G|² ≤ 0."""
-    trace, signal = (x.item() for x in _estimates(gram.sum(), gram.diagonal().sum(), len(gram)))
-    return (trace / signal if signal > 0 else math.inf), trace, signal
-
-
-def mean_cosine(gram: torch.Tensor) -> float:
-    """The mean cosine between two different gradients of ``gram``."""
-    norms = gram.diagonal().clamp_min(1e-300).sqrt()
-    cosines = gram / norms[:, None] / norms[None, :]
-    n = len(gram)
-    return ((cosines.sum() - cosines.diagonal().sum()) / (n * (n - 1))).item()
-
-
-def interval(gram: torch.Tensor) -> tuple[float, float]:
-    """B's range for |G|² within two jackknife standard errors (leave one iteration out); tr Σ held at its
-    estimate (its own error is small beside |G|²'s). ∞ at the top when |G|² cannot be told from 0."""
-    n = len(gram)
-    _, trace, signal = noise_scale(gram)
-    # without gradient i: the dot products' sum loses its row and column, the squared norms lose G_ii
-    diagonal = gram.diagonal()
-    _, leave_out = _estimates(gram.sum() - 2 * gram.sum(1) + diagonal, diagonal.sum() - diagonal, n - 1)
-    se = math.sqrt((n - 1) / n * ((leave_out - leave_out.mean()) ** 2).sum().item())
-    low = trace / (signal + 2 * se)
-    return low, (trace / (signal - 2 * se) if signal - 2 * se > 0 else math.inf)
 
 
 def measure(run: str, iterations: int, seed: int, overrides: list[str]) -> dict:

@@ -1,4 +1,4 @@
-"""What a user sees after request RL: a before/after sheet of one ``bench/rl_compare.py`` run.
+"""What a user sees after request RL: a before/after sheet of one ``experiments/rl_compare.py`` run.
 
 The run's config is built as ``rl_compare.py`` builds it (seed and all), its system serves the evaluation's
 held-out requests (``rl_compare.EvalSet``: 64 requests in the training wording, noise of batch ``i`` from
@@ -9,20 +9,17 @@ whose verdict (every asked fact shown, judged against the *request's* facts) tra
 then broken —, its frames before and after, and above each the prompt the generator was served (the refiner's
 rewrite, or the request verbatim).
 
-    OMP_NUM_THREADS=1 python bench/request_sheet.py prompt_rl runs/rl_compare/runs/prompt_rl_s0/checkpoints/last.ckpt \\
-        --png docs/rl/prompt_rl_sheet.png
+    OMP_NUM_THREADS=1 python -m experiments.request_sheet prompt_rl \\
+        runs/rl_compare/runs/prompt_rl_s0/checkpoints/last.ckpt --png docs/rl/prompt_rl_sheet.png
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rl_captions import sheet  # noqa: E402
-from rl_compare import BATCH, METHODS, NOISE_SEED, EvalSet, method_cli  # noqa: E402
+from bench.sheet import sheet
+from experiments.rl_compare import BATCH, METHODS, NOISE_SEED, EvalSet, method_cli
 
 
 def build(name: str, seed: int):

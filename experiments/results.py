@@ -1,12 +1,12 @@
-"""The README's "Measured results of the default configs": each config validated before training (its
+"""The default configs' learning figures (docs/results.md): each config validated before training (its
 initial weights) and after ``posttrain fit`` (its last checkpoint), through the real command, with
 ``configs/eval/geneval.yaml`` added to both validations (``val/eval/...``): synthetic GenEval of 64
 seen-concept captions (per fact and all four together), a Fréchet VAE distance of those samples to the
 data, and GenEval of 32 captions of the held-out concept (magenta).
 
-    python bench/results.py                                   # every default config, seed 0
-    python bench/results.py finetune flow_grpo                # some of them
-    python bench/results.py finetune --seeds 0 1 2 --control  # 3 seeds: mean [min, max], and a zero-lr control
+    python -m experiments.results                                   # every default config, seed 0
+    python -m experiments.results finetune flow_grpo                # some of them
+    python -m experiments.results finetune --seeds 0 1 2 --control  # 3 seeds: mean [min, max], and a zero-lr control
 
 ``--seeds`` trains once per seed, the seed set on all three RNGs of a run: ``seed_everything`` (global),
 ``data.init_args.seed`` (data content and order) and ``model.init_args.run.seed`` (the method's noise); a
@@ -14,7 +14,7 @@ cell reads ``before → mean [min, max]``. The evaluation's captions and noise s
 callback's own (``configs/eval/geneval.yaml``) and the initial weights are the config's, so "before" is one
 validation, the same for every seed. ``--control`` adds one run of the first seed with every optimizer's
 learning rate set to 0 (the same data, noise and evaluation; nothing may move): its "after" is the column
-a gain is read against. Runs go to a temporary folder (W&B offline); the printed table is what the README quotes.
+a gain is read against. Runs go to a temporary folder (W&B offline); the printed table is what docs/results.md quotes.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from statistics import mean
 
-import yaml
+from bench.seeds import cell, seed_overrides, zero_lr_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"finetune": "val/loss", "flow_grpo": "val/reward", "diffusion_nft": "val/reward",
@@ -58,34 +58,11 @@ def scores(output: str, own: str) -> dict[str, float]:
     return {"own": metric(output, own), **{key: metric(output, f"val/{key}") for key in KEYS}}
 
 
-def seed_overrides(seed: int) -> list[str]:
-    """One seed on the three RNGs of a run (global, data, the method's noise)."""
-    return [f"--seed_everything={seed}", f"--data.init_args.seed={seed}", f"--model.init_args.run.seed={seed}"]
-
-
-def zero_lr_overrides(config: str) -> list[str]:
-    """``--...lr=0`` for every optimizer of the config's card (each expert's, and the refiner template's)."""
-    with open(config) as f:
-        card = yaml.safe_load(f)["model"]["init_args"]["card"]
-    paths = [f"experts.{name}" for name, spec in (card.get("experts") or {}).items() if (spec or {}).get("optimizer")]
-    paths += ["refiner"] if (card.get("refiner") or {}).get("optimizer") else []
-    if not paths:
-        raise SystemExit(f"{config}: no expert with an optimizer, nothing to zero for a control")
-    return [f"--model.init_args.card.{path}.optimizer.init_args.lr=0.0" for path in paths]
-
-
 def train_and_score(name: str, run: list[str], evaluate: list[str], extra: list[str]) -> tuple[dict, float]:
     start = time.time()
     posttrain("fit", *run, *extra)
     seconds = time.time() - start
     return scores(posttrain("validate", *run, *extra, *evaluate, "--ckpt_path", "last"), METRICS[name]), seconds
-
-
-def cell(before: float, afters: list[float]) -> str:
-    """``before → after`` for one run, ``before → mean [min, max]`` for several."""
-    if len(afters) == 1:
-        return f"{before:.3f} → {afters[0]:.3f}"
-    return f"{before:.3f} → {mean(afters):.3f} [{min(afters):.3f}, {max(afters):.3f}]"
 
 
 def main() -> None:

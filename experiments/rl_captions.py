@@ -1,4 +1,4 @@
-"""RL on the world's captions, over seeds and against a zero-learning-rate control (issue 18, section 3).
+"""RL on the world's captions, over seeds and against a zero-learning-rate control.
 
 For a config (``flow_grpo``, ``diffusion_nft``), every seed s trains the shipped pretrained generator with
 ``seed_everything``, the data's and the method's seeds all set to s (the real ``fit`` of the config, its
@@ -13,8 +13,8 @@ training reward (first and last tenth of its curve) stands beside them, and a Ma
 [min, max] over the seeds, the control) is printed last. ``--sheet`` writes a matplotlib PNG of the first seed's
 evaluation captions whose all-four verdict training changed, before and after.
 
-    OMP_NUM_THREADS=1 python bench/rl_captions.py diffusion_nft --control --sheet docs/rl/diffusion_nft.png
-    python bench/rl_captions.py flow_grpo --seeds 0 --at 100 200 --set trainer.max_steps=300   # a curve; any override
+    OMP_NUM_THREADS=1 python -m experiments.rl_captions diffusion_nft --control --sheet docs/rl/diffusion_nft.png
+    python -m experiments.rl_captions flow_grpo --seeds 0 --at 100 200 --set trainer.max_steps=300  # a curve, overrides
 
 The fit's wall and CPU seconds are printed per run (the budget is CPU-bound: on 2 idle cores the wall time of a
 one-thread run is about its CPU time).
@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from lightning.pytorch import Callback
 
+from bench.sheet import sheet
 from posttrain.datamodules.synthetic import ShapesDataset
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.modules.eval.frechet import VideoFrechetDistance
@@ -173,53 +174,6 @@ def table(config: str, runs: list[dict], control: Optional[dict]) -> str:
         cells.append(f"{control['iterations']} it, {control['cpu']:.0f} CPU s")
     rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
-
-
-def sheet(path: str, prompts: list[str], before: torch.Tensor, after: torch.Tensor, rows: int = 12,
-          facts: Optional[list] = None, served: Optional[tuple[list[str], list[str]]] = None,
-          what: str = "evaluation captions") -> tuple[list[int], list[int]]:
-    """A PNG to look at (matplotlib): the evaluation prompts whose all-four verdict training changed (fixed
-    first, then broken; the counts in the title), each as its frames before and after (the same noise). The
-    verdicts are against the prompts' own facts, or ``facts`` (a request's: every fact it asks); ``served``
-    (before, after) adds above each frame strip the prompt the generator was served. Returns the indices fixed
-    and broken."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from posttrain.modules.world.geneval import judge_facts
-
-    verdicts = [judge(videos, prompts) if facts is None else judge_facts(videos, facts) for videos in (before, after)]
-    shown = [torch.stack([v[f] for f in FACTS], 1).nan_to_num(1.0).eq(1).all(1) for v in verdicts]
-    fixed = torch.nonzero(~shown[0] & shown[1]).flatten().tolist()
-    broken = torch.nonzero(shown[0] & ~shown[1]).flatten().tolist()
-    order = (fixed + broken)[:rows] or list(range(min(rows, len(prompts))))
-    height = 1.25 if served else 1.1
-    fig, axes = plt.subplots(len(order), 2, figsize=(9 if served else 8, height * len(order) + 0.6), squeeze=False)
-    for col, (tag, videos) in enumerate((("before", before), ("after", after))):
-        for row, i in enumerate(order):
-            frames = ((videos[i].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1)  # (F, H, W, 3)
-            wrong = [f for f in FACTS if verdicts[col][f][i] == 0]
-            ax = axes[row, col]
-            ax.imshow(torch.cat(list(frames), dim=1).numpy(), interpolation="nearest")  # frames side by side
-            ax.set_xticks([]), ax.set_yticks([])
-            if wrong:
-                title = f"{tag}: wrong " + ", ".join(wrong)
-            else:
-                title = f"{tag}: all {'four' if facts is None else 'asked'} shown"
-            if served:
-                title += f"\nserved: {served[col][i][:60]}"
-            ax.set_title(title, fontsize=6 if served else 7, color="green" if not wrong else "red")
-            if col == 0:
-                ax.set_ylabel(prompts[i].replace(" on a ", "\non a ").replace(", ", ",\n", 1), fontsize=6,
-                              rotation=0, ha="right", va="center")
-    fig.suptitle(f"{len(prompts)} {what}: all {'four' if facts is None else 'asked'} shown {int(shown[0].sum())} "
-                 f"before, {int(shown[1].sum())} after; {len(fixed)} fixed, {len(broken)} broken", fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fixed, broken
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ Methods (each a config of ``configs/``, run as it is in the repository, through 
   *request-GenEval*: every fact a request asks is shown ("all asked facts"), through the method's serving path;
   ``prompt_rl`` (the refiner trains, the generator is frozen), ``generator_rl`` (the generator trains, served
   through the frozen refiner), ``flow_grpo_requests`` (Flow-GRPO served the requests verbatim: PromptRL's
-  flow-only RL), ``unified_rl_requests`` (joint, N = 1) and ``joint_rl_requests`` (joint, N = 3, one concern
+  flow-only RL), ``unified_rl`` (joint, N = 1) and ``joint_rl`` (joint, N = 3, one concern
   each, per-expert credit);
 - on captions, scored by caption GenEval (all four facts): ``flow_grpo`` and ``diffusion_nft``.
 
@@ -21,9 +21,9 @@ captions; with refiners, their greedy rewrite accuracy (``modules.requests.accur
 ``--control`` adds one run per method at learning rate 0 (every optimizer's, every iteration): the same
 rollouts and evaluations, no learning.
 
-    python bench/rl_compare.py                                   # every method, 3 seeds, controls
-    python bench/rl_compare.py --methods unified_rl_requests generator_rl --seeds 0
-    python bench/rl_compare.py --plot-only                       # table and PNG from the saved runs
+    python -m experiments.rl_compare                             # every method, 3 seeds, controls
+    python -m experiments.rl_compare --methods unified_rl generator_rl --seeds 0
+    python -m experiments.rl_compare --plot-only                 # table and PNG from the saved runs
 
 Each run is saved as ``<out>/<method>_s<seed>.json`` (``_control``) and skipped when present (``--rerun``
 redoes it), so a re-run after a config changes redoes only ``--rerun --methods <it>``. Writes
@@ -59,8 +59,8 @@ METHODS = {
     "prompt_rl": Method("prompt_rl.yaml", "requests", "prompt-only RL (refiner; generator frozen)"),
     "generator_rl": Method("generator_rl.yaml", "requests", "generator-only RL (through the frozen refiner)"),
     "flow_grpo_requests": Method("flow_grpo_requests.yaml", "requests", "generator-only RL (requests verbatim)"),
-    "unified_rl_requests": Method("unified_rl_requests.yaml", "requests", "joint RL, N = 1 (refiner + generator)"),
-    "joint_rl_requests": Method("joint_rl_requests.yaml", "requests", "joint RL, N = 3 (per-expert credit)"),
+    "unified_rl": Method("unified_rl.yaml", "requests", "joint RL, N = 1 (refiner + generator)"),
+    "joint_rl": Method("joint_rl.yaml", "requests", "joint RL, N = 3 (per-expert credit)"),
     "flow_grpo": Method("flow_grpo.yaml", "captions", "Flow-GRPO (captions)"),
     "diffusion_nft": Method("diffusion_nft.yaml", "captions", "DiffusionNFT (captions)"),
 }
@@ -125,7 +125,8 @@ def evaluate(module, kind: str, data: EvalSet) -> dict[str, float]:
             if isinstance(module, JointRL):
                 for name in module.card.refiners:
                     lm, tok = module.card[name], module.card.tokenizers[name]
-                    concern = module.concerns[module.card.refiners.index(name)] if module.concerns else None
+                    concerns = module.refiner_args.concerns
+                    concern = concerns[module.card.refiners.index(name)] if concerns else None
                     template = CONCERN_TEMPLATES[concern] if concern else module.templates[name]
                     rewrites = refine(lm, tok, texts, template, max_new_tokens=module.max_new_tokens[name])
                     scores = accuracy(rewrite_verdicts(rewrites, facts, concern))
@@ -342,8 +343,8 @@ def claims(runs) -> list[str]:
              f"decided by less than that, or on one seed, is not evidence)",
              reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
     for baseline in ("generator_rl", "flow_grpo_requests", "prompt_rl"):  # PromptRL's two single arms, RePrompt's
-        lines.append(reach("unified_rl_requests", baseline, "seen/all", 2.0))
-    joint = runs.get(("unified_rl_requests", False))
+        lines.append(reach("unified_rl", baseline, "seen/all", 2.0))
+    joint = runs.get(("unified_rl", False))
     for baseline in ("generator_rl", "flow_grpo_requests"):
         base = runs.get((baseline, False))
         if joint and base:
@@ -407,7 +408,8 @@ def main() -> None:
                         help="one run per method at learning rate 0 (seed of the first --seeds)")
     parser.add_argument("--iterations", type=int, help="override every config's trainer.max_steps (pilots)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra config overrides for every run (pilots), e.g. model.init_args.temperature=0.7")
+                        help="extra config overrides for every run (pilots), e.g. "
+                             "model.init_args.refiners.temperature=0.7")
     parser.add_argument("--points", type=int, default=6, help="evaluations along a run, besides iteration 0")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "rl_compare"))
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "rl", "rl_compare.png"))

@@ -27,7 +27,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 
 import torch
@@ -42,9 +41,7 @@ from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sig
 from posttrain.modules.io.media import write_media
 from posttrain.modules.models.presets import PRESETS, build_tokenizer
 from posttrain.modules.flow.samplers import FlowMatchSampler
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_flux_vae import image_geneval  # noqa: E402  (GenEval of what one frame shows)
+from train_flux_vae import image_geneval  # beside this script, which runs as a file: GenEval of what a frame shows
 
 FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                       max_image_seq_len=4096)

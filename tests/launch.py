@@ -18,9 +18,10 @@ down) and a timeout kill them all at once; a rank whose rank 0 is gone leaves af
 collectives would fail anyway.
 
 What differs from a cold start: the modules of the preload are already imported (with the environment the server
-started with: this worker's). ``script`` runs a bench script the same way, ``spawn`` is
-``torch.multiprocessing.spawn`` on the same server. Tests about the command's own start-up — its warnings, the
-console script, the installed wheel — run it cold (tests/test_cli.py, tests/test_packaging.py).
+started with: this worker's). ``module`` runs ``python -m <module>`` (a bench, an experiment) and ``script`` a
+script file the same way, ``spawn`` is ``torch.multiprocessing.spawn`` on the same server. Tests about the
+command's own start-up — its warnings, the console script, the installed wheel — run it cold (tests/test_cli.py,
+tests/test_packaging.py).
 """
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def _detach(dup) -> int:
 
 
 def _command(script: Optional[str], args: list[str], env: dict[str, str], cwd: str, out, err,
-             max_file_bytes: Optional[int], job: str, server: str, rank0: Optional[int] = None) -> None:
-    """The forked child: become ``python -m posttrain *args`` (``python script *args`` when ``script`` is given)
+             max_file_bytes: Optional[int], job: str, server: str, rank0: Optional[int] = None,
+             module: str = "posttrain") -> None:
+    """The forked child: become ``python -m module *args`` (``python script *args`` when ``script`` is given)
     started in a new session, then exit as it would. ``out``/``err``: paths to create, or descriptors to share (a
     rank the command started: ``rank0`` is the pid of the rank that started it)."""
     os.setsid()  # its own process group: a kill of the job takes the processes it starts, and nothing else
@@ -91,16 +93,18 @@ def _command(script: Optional[str], args: list[str], env: dict[str, str], cwd: s
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # A fork inherits the server's sys.path (this worker's: the repository root and tests/ on it), not the one a fresh
+    # interpreter would build: what the interpreter adds, PYTHONPATH here and a script's folder below, is added by hand.
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     import torch
 
     if env.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = ["posttrain" if script is None else script, *args]
+    sys.argv = [module if script is None else script, *args]
     code = 0
     try:
         if script is None:
-            runpy.run_module("posttrain", run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as the interpreter does for a script
             runpy.run_path(script, run_name="__main__")
@@ -245,15 +249,17 @@ def _fork_ranks(server: str) -> None:
 
 
 def posttrain(*args: str, cwd: str, env: Optional[dict[str, str]] = None, timeout: float = 600,
-              max_file_bytes: Optional[int] = None, script: Optional[str] = None) -> subprocess.CompletedProcess:
-    """``python -m posttrain *args`` (``python script *args`` with ``script``: a bench) run to its end, as
-    ``subprocess.run(..., capture_output=True, text=True)`` returns it (``subprocess.TimeoutExpired`` past
-    ``timeout``, after killing the job)."""
+              max_file_bytes: Optional[int] = None, script: Optional[str] = None,
+              module_name: str = "posttrain") -> subprocess.CompletedProcess:
+    """``python -m posttrain *args`` (``python -m module_name *args``, or ``python script *args`` with ``script``)
+    run to its end, as ``subprocess.run(..., capture_output=True, text=True)`` returns it
+    (``subprocess.TimeoutExpired`` past ``timeout``, after killing the job)."""
     env = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="posttrain-command-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         process = context().Process(target=_command, args=(
-            script, list(args), env, str(cwd), out, err, max_file_bytes, folder, _server_address()))
+            script, list(args), env, str(cwd), out, err, max_file_bytes, folder, _server_address()),
+            kwargs={"module": module_name})
         process.start()
         process.join(timeout)
         if process.exitcode is None:
@@ -291,8 +297,14 @@ def _server_address() -> str:
     return forkserver._forkserver._forkserver_address
 
 
+def module(name: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m name *args`` (a bench or an experiment: ``bench.overhead``, ``experiments.distill``), forked and
+    returned as ``posttrain`` does."""
+    return posttrain(*args, module_name=name, **kwargs)
+
+
 def script(path: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    """``python path *args`` (a bench script), forked and returned as ``posttrain`` does."""
+    """``python path *args`` (a script file), forked and returned as ``posttrain`` does."""
     return posttrain(*args, script=path, **kwargs)
 
 

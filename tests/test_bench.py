@@ -5,13 +5,13 @@
 - ``ExpertModule.log``: skipping per-iteration metrics in iterations whose metrics reach no logger
   changes nothing a logger receives, and saves the calls.
 - ``SyncPlan``'s fused lerp equals the per-tensor lerp.
-- Every bench runs end to end at a tiny size.
+- Every bench and experiment runs end to end at a tiny size, as its command runs it from the repository root
+  (``python -m bench.<name>``, ``python -m experiments.<name>``); the measures they share are checked in ``bench/``.
 """
 from __future__ import annotations
 
 import copy
 import os
-import sys
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.loggers import Logger
 
 import launch
+from bench import timing
 from posttrain.modules.models.versions import SyncPlan, constant
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import ExpertModule
@@ -27,9 +28,6 @@ from tests.conftest import wan_card
 from tests.helpers import quick_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import timing  # noqa: E402
 
 
 # ---------------------------------------------------------------------- timing.py
@@ -123,7 +121,7 @@ class Recorder(Logger):
 
 class Sporadic(Callback):
     """Logs ``train/sporadic`` in iterations 2 and 7 only, neither of them one whose metrics reach a logger
-    (as C2Check logs every n-th iteration): Lightning hands the loggers its latest value at the next one."""
+    (as LogProbParityCheck logs every n-th iteration): Lightning hands the loggers its latest value at the next one."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx in (2, 7):
@@ -212,52 +210,53 @@ def test_sync_plan_follows_a_module_the_card_replaced():
     assert all(torch.equal(t, old_before[n]) for n, t in old.state_dict().items())
 
 
-# ---------------------------------------------------------------------- gradient_noise.py
+# ---------------------------------------------------------------------- noise_scale.py
 def test_gradient_noise_scale_recovers_a_known_one():
     """Gradients g_i = G + unit noise in P dimensions have B = P / |G|² exactly: the estimate lands near it, its
     interval holds it, the cosine of two draws is about 1 / (1 + B), and pure noise gives an interval open to ∞."""
-    import gradient_noise
+    from bench.noise_scale import gram_of, interval, mean_cosine, noise_scale
 
     gen = torch.Generator().manual_seed(0)
     P = 4000
     G = torch.randn(P, generator=gen, dtype=torch.float64) * 0.1  # |G|² ≈ 40: B ≈ 100
     true_B = P / (G ** 2).sum().item()
     grads = G + torch.randn(200, P, generator=gen, dtype=torch.float64)
-    gram = gradient_noise.gram_of(grads.float(), rows=64)  # float32 gradients, as the bench keeps them
-    B, trace, _ = gradient_noise.noise_scale(gram)
-    low, high = gradient_noise.interval(gram)
+    gram = gram_of(grads.float(), rows=64)  # float32 gradients, as experiments/gradient_noise.py keeps them
+    B, trace, _ = noise_scale(gram)
+    low, high = interval(gram)
     assert trace == pytest.approx(P, rel=0.02)
     assert B == pytest.approx(true_B, rel=0.25) and low <= true_B <= high < 2 * true_B
-    assert gradient_noise.mean_cosine(gram) == pytest.approx(1 / (1 + true_B), rel=0.3)
+    assert mean_cosine(gram) == pytest.approx(1 / (1 + true_B), rel=0.3)
     # the closed-form leave-one-out equals recomputing without each gradient
     n = 30
-    small = gradient_noise.gram_of(grads[:n])
-    drop = [gradient_noise.noise_scale(small[keep][:, keep])[2]
+    small = gram_of(grads[:n])
+    drop = [noise_scale(small[keep][:, keep])[2]
             for keep in (torch.tensor([j for j in range(n) if j != i]) for i in range(n))]
     se = (((torch.tensor(drop) - torch.tensor(drop).mean()) ** 2).sum() * (n - 1) / n).sqrt().item()
-    _, trace30, signal30 = gradient_noise.noise_scale(small)
-    assert gradient_noise.interval(small)[0] == pytest.approx(trace30 / (signal30 + 2 * se), rel=1e-6)
+    _, trace30, signal30 = noise_scale(small)
+    assert interval(small)[0] == pytest.approx(trace30 / (signal30 + 2 * se), rel=1e-6)
     noise = torch.randn(40, P, generator=gen, dtype=torch.float64)
-    assert gradient_noise.interval(gradient_noise.gram_of(noise))[1] == float("inf")
+    assert interval(gram_of(noise))[1] == float("inf")
 
 
 # ---------------------------------------------------------------------- the benches run
-def run_bench(script: str, *args: str, timeout: int = 600) -> str:
+def run_bench(name: str, *args: str, timeout: int = 600) -> str:
+    """``python -m name *args`` from the repository root (``bench.overhead``, ``experiments.distill``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    result = launch.script(script, *args, cwd=ROOT, env=env, timeout=timeout)
+    result = launch.module(name, *args, cwd=ROOT, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 
 
 def test_overhead_bench_runs(tmp_path):
-    out = run_bench("bench/overhead.py", "--blocks", "3", "--per-block", "2", "--warmup", "2",
+    out = run_bench("bench.overhead", "--blocks", "3", "--per-block", "2", "--warmup", "2",
                     "--workdir", str(tmp_path))
     assert "3 fit blocks between 4 plain blocks" in out
     assert out.count("verdict:") == 2 and "goal <= 1.03" in out
 
 
 def test_rollout_bench_runs():
-    out = run_bench("bench/rollout.py", "--group-sizes", "2", "--blocks", "2", "--steps", "2", "--iterations", "4")
+    out = run_bench("bench.rollout", "--group-sizes", "2", "--blocks", "2", "--steps", "2", "--iterations", "4")
     assert "speed-up K=2 (sequential/batched)" in out and "forward of 2 rows" in out
     assert "hit rate" in out  # the cache part ran
 
@@ -268,37 +267,37 @@ def test_memory_bench_runs():
     with socket.socket() as s:  # a free port, not a fixed one another job on the machine may hold
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = run_bench("bench/memory.py", "--layers", "1", "--heads", "2", "--head_dim", "32", "--blocks", "2",
+    out = run_bench("bench.memory", "--layers", "1", "--heads", "2", "--head_dim", "32", "--blocks", "2",
                     "--steps", "1", "--port", str(port))
     assert "memory ratio ZeRO-3 / DDP" in out and "step time ZeRO-3/DDP" in out
 
 
 def test_distill_bench_runs():
-    out = run_bench("bench/distill.py", "--steps", "2", "--prompts", "8", "--batch", "4", "--blocks", "1")
+    out = run_bench("experiments.distill", "--steps", "2", "--prompts", "8", "--batch", "4", "--blocks", "1")
     assert "time student/teacher" in out
     assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
 
 
 def test_first_frame_bench_runs():
-    out = run_bench("bench/first_frame.py", "--prompts", "1")
+    out = run_bench("experiments.first_frame", "--prompts", "1")
     assert "1 prompts; chunks of 1 latent frame(s)" in out
     assert "per-channel mean, student's first latent frame:" in out and "first pixel frame" in out
 
 
 def test_decode_bench_runs():
-    out = run_bench("bench/decode.py", "--batch", "1", "--blocks", "1", "--per-block", "1")
+    out = run_bench("bench.decode", "--batch", "1", "--blocks", "1", "--per-block", "1")
     assert "largest pixel difference" in out and "channels_last / stored" in out and "linalg_vector_norm" in out
 
 
 def test_optimizer_bench_runs():
-    out = run_bench("bench/optimizer.py", "--tiny", "--blocks", "1", "--per-block", "1")
+    out = run_bench("bench.optimizer", "--tiny", "--blocks", "1", "--per-block", "1")
     assert "fused/default" in out and "largest difference" in out
 
 
 def test_distill_bench_students_rows(tmp_path):
     """``--students``: a row per student step count on held-out prompts, and the sheet."""
     sheet = tmp_path / "students.png"
-    out = run_bench("bench/distill.py", "--students", "1", "2", "--steps", "1", "--prompts", "4", "--batch", "4",
+    out = run_bench("experiments.distill", "--students", "1", "2", "--steps", "1", "--prompts", "4", "--batch", "4",
                     "--blocks", "1", "--grid", str(sheet))
     assert "held-out prompts" in out and out.count("| 1 | ") == 1 and out.count("| 2 | ") == 1
     assert sheet.is_file()
@@ -306,13 +305,13 @@ def test_distill_bench_students_rows(tmp_path):
 
 def test_distill_bench_times_channels_last_alone():
     """``--channels-last --time-only``: both timings and the channels-last line, no fit and no scores."""
-    out = run_bench("bench/distill.py", "--students", "2", "--prompts", "2", "--batch", "2", "--blocks", "1",
+    out = run_bench("experiments.distill", "--students", "2", "--prompts", "2", "--batch", "2", "--blocks", "1",
                     "--channels-last", "--time-only")
     assert "VAE channels-last" in out and "| 2 | " in out and "| – | – | – | – |" in out and "steps, seed 0:" not in out
 
 
 def test_reward_server_bench_runs():
-    out = run_bench("bench/reward_server.py", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
+    out = run_bench("bench.reward_server", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
                     "--per-block", "1", "--iterations", "1")
     assert "remote/local time per batch (wall)" in out and "videos/s" in out
     assert "of which waiting on the reward server" in out
@@ -323,7 +322,7 @@ def test_gpu_bench_tiny_runs_every_part(tmp_path):
     import json
 
     out_file = tmp_path / "gpu.json"
-    out = run_bench("bench/gpu.py", "--tiny", "--out", str(out_file))
+    out = run_bench("bench.gpu", "--tiny", "--out", str(out_file))
     assert "flow_grpo step, K=8" in out
     figures = json.loads(out_file.read_text())
     for part in ("fewstep", "plain", "zero3", "offload", "rl", "causal", "attention"):
@@ -366,8 +365,8 @@ def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_
 
 
 def test_gradient_noise_bench_runs():
-    """bench/gradient_noise.py on both shipped caption-RL configs at learning rate 0, 6 iterations each."""
-    out = run_bench("bench/gradient_noise.py", "--iterations", "6", "--set", "trainer.log_every_n_steps=1")
+    """experiments/gradient_noise.py on both shipped caption-RL configs at learning rate 0, 6 iterations each."""
+    out = run_bench("experiments.gradient_noise", "--iterations", "6", "--set", "trainer.log_every_n_steps=1")
     assert "flow_grpo: noise scale in rollouts" in out
     for config in ("diffusion_nft", "flow_grpo"):  # gradients were recorded: steps counted, tr Σ > 0
         row = next(line for line in out.splitlines() if line.startswith(f"| {config} "))
@@ -377,11 +376,10 @@ def test_gradient_noise_bench_runs():
 
 
 def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(tmp_path):
-    """``bench/request_sheet.py``'s drawing (``rl_captions.sheet`` with ``facts`` and ``served``): a request's video
-    is judged against the facts the request asks (a fact it leaves out is not judged), so a request fixed by
+    """``experiments/request_sheet.py``'s drawing (``bench/sheet.py`` with ``facts`` and ``served``): a request's
+    video is judged against the facts the request asks (a fact it leaves out is not judged), so a request fixed by
     training and one broken by it are counted as such, whatever text was served."""
-    from rl_captions import sheet
-
+    from bench.sheet import sheet
     from posttrain.modules.world.world import Facts, render
 
     asked = [Facts("circle", "red", "blue", None), Facts("square", "green", None, "up"),
@@ -400,31 +398,30 @@ def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(t
 
 
 def test_distill_held_out_beyond_scores_a_smaller_caption_set_on_a_larger_ones_held_out_set():
-    """bench/distill.py --held-out-beyond N: a config on 64 training captions is scored on the held-out captions of
-    one on N = 256 (the synthetic captions of a seed are a prefix of a longer draw), and never on its own."""
+    """experiments/distill.py --held-out-beyond N: a config on 64 training captions is scored on the held-out captions
+    of one on N = 256 (the synthetic captions of a seed are a prefix of a longer draw), and never on its own."""
     from types import SimpleNamespace
 
-    import distill
-
+    from bench import fewstep
     from posttrain.datamodules.prompts import Prompts
 
     small, large = Prompts(num_synthetic=64), Prompts(num_synthetic=256)
     assert large.prompt_list()[:64] == small.prompt_list()
-    beyond = distill.held_out_prompts(SimpleNamespace(datamodule=small), 32, beyond=256)
-    assert beyond == distill.held_out_prompts(SimpleNamespace(datamodule=large), 32)
+    beyond = fewstep.held_out_prompts(SimpleNamespace(datamodule=small), 32, beyond=256)
+    assert beyond == fewstep.held_out_prompts(SimpleNamespace(datamodule=large), 32)
     assert not set(beyond) & set(large.prompt_list())
-    own = distill.held_out_prompts(SimpleNamespace(datamodule=small), 32)
+    own = fewstep.held_out_prompts(SimpleNamespace(datamodule=small), 32)
     assert not set(own) & set(small.prompt_list()) and set(own) != set(beyond)
     with pytest.raises(SystemExit, match="names a prompt file or list"):
-        distill.held_out_prompts(SimpleNamespace(datamodule=Prompts(prompts=["a red circle"])), 4, beyond=256)
+        fewstep.held_out_prompts(SimpleNamespace(datamodule=Prompts(prompts=["a red circle"])), 4, beyond=256)
 
 
 def test_gpu_bench_samplers_follow_the_config_they_read(tmp_path):
     """``bench/gpu.py``'s few-step part builds its teacher and student samplers from the DMD2 YAML: a copy with
     other steps, CFG and shifts gives those, not the shipped config's."""
-    import importlib.util
-
     import yaml
+
+    from bench import gpu
 
     with open(os.path.join(ROOT, "configs", "dmd2.yaml")) as f:
         config = yaml.safe_load(f)
@@ -434,23 +431,20 @@ def test_gpu_bench_samplers_follow_the_config_they_read(tmp_path):
     init["sampler"]["init_args"]["scheduler"]["init_args"]["shift"] = 2.0
     path = tmp_path / "dmd2.yaml"
     path.write_text(yaml.safe_dump(config))
-    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "bench", "gpu.py"))
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
     student, teacher = gpu.dmd2_samplers(str(path))
     assert (teacher.num_steps, teacher.guidance_scale, teacher.scheduler.config.shift) == (7, 2.5, 5.0)
     assert student.scheduler.config.shift == 2.0 and student.scheduler.config.stochastic_sampling
 
 
 def test_gan_pull_bench_follows_the_weight():
-    """``bench/gan_pull.py``: a row per GAN weight from the fits' logged ``train/gan_to_dmd_grad``; the first
+    """``experiments/gan_pull.py``: a row per GAN weight from the fits' logged ``train/gan_to_dmd_grad``; the first
     student iteration of both fits is the same forward, so the ratio follows the weight (×100 for 100 times it)."""
-    out = run_bench("bench/gan_pull.py", "--steps", "1", "--weights", "3e-3", "3e-1")
+    out = run_bench("experiments.gan_pull", "--steps", "1", "--weights", "3e-3", "3e-1")
     rows = [line for line in out.splitlines() if line.startswith("| 0.")]
     assert len(rows) == 2 and "×1.0 (weight ×1)" in rows[0] and "×100.0 (weight ×100)" in rows[1], out
 
 
-# ---------------------------------------------------------------------- distill.py --join
+# ---------------------------------------------------------------------- experiments/distill.py --join
 def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, capsys):
     """``--join`` of per-seed ``--json`` files: a student that shows every prompt the teacher shows reads ratio 1 with
     every draw at or above the 0.95 line; one that shows half the prompts reads 0.5 / 0.9 with none; the interval
@@ -459,7 +453,7 @@ def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, cap
     are refused by name."""
     import json
 
-    import distill
+    from bench import fewstep
 
     prompts = [f"a red circle moving left on a green background {i}" for i in range(40)]
     teacher = [1.0] * 36 + [0.0] * 4
@@ -471,7 +465,7 @@ def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, cap
             "2": {"before": [0.0] * 40, "after": {str(seed): good}},
             "1": {"before": [0.0] * 40, "after": {str(seed): bad}}}}))
         paths.append(str(path))
-    distill.join(paths, draws=2000)
+    fewstep.join(paths, draws=2000)
     out = capsys.readouterr().out
     one, two = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert two.startswith("| 2 | 0 1 | 0.000 → 0.900 [0.900, 0.900] | 1.000 [1.000, 1.000] | 100% |"), two
@@ -483,14 +477,44 @@ def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, cap
     base = tmp_path / "base.json"  # a baseline whose 2-step student shows half the prompts
     base.write_text(json.dumps({"prompts": prompts, "teacher": teacher, "students": {
         "2": {"before": [0.0] * 40, "after": {"7": half}}}}))
-    distill.join(paths, draws=2000, baseline=[str(base)])
+    fewstep.join(paths, draws=2000, baseline=[str(base)])
     out = capsys.readouterr().out
     assert "| 2 | 7 | 0.500 | +0.400 [+0." in out and out.count("| 100% |") == 2, out  # and no row for 1 step
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"prompts": prompts[::-1], "teacher": teacher, "students": {}}))
     with pytest.raises(SystemExit, match="other held-out prompts"):
-        distill.join([paths[0], str(other)])
+        fewstep.join([paths[0], str(other)])
     chunks = tmp_path / "chunks.json"  # a --per-chunk file
     chunks.write_text(json.dumps({"target": {}, "teacher_windows": [], "runs": {}}))
     with pytest.raises(SystemExit, match=r"chunks.json is not a `--students ... --json` file"):
-        distill.join([str(chunks)])
+        fewstep.join([str(chunks)])
+
+
+# ---------------------------------------------------------------------- the two rooms
+def python_files(folder: str) -> list[str]:
+    """The .py files of a folder of the repository."""
+    return [os.path.join(parent, f) for parent, _, files in os.walk(os.path.join(ROOT, folder))
+            for f in sorted(files) if f.endswith(".py")]
+
+
+def commands(room: str) -> list[str]:
+    """``room.<name>`` of every script in ``room`` that runs as a command (it has a ``__main__`` block)."""
+    return sorted(f"{room}.{os.path.basename(path)[:-3]}" for path in python_files(room)
+                  if 'if __name__ == "__main__":' in open(path).read())
+
+
+def test_neither_room_edits_sys_path():
+    """Benches and experiments run from the repository root as ``python -m``: they import ``bench`` and each other
+    as packages, and neither edits ``sys.path`` (tests/test_layout.py: nothing imports ``experiments/``)."""
+    files = python_files("bench") + python_files("experiments")
+    assert len(files) > 20  # the walk found them
+    edits = [os.path.relpath(p, ROOT) for p in files if "sys.path" in open(p).read()]
+    assert not edits, edits
+
+
+@pytest.mark.parametrize("name", commands("bench") + commands("experiments"))
+def test_every_bench_and_experiment_runs_as_its_command(name):
+    """``python -m <room>.<name> --help`` from the repository root: the script imports as its command runs it (the
+    package, ``bench/``'s measures, another experiment) and shows its options."""
+    out = run_bench(name, "--help")
+    assert out.startswith("usage: ") and "--" in out, out[:2000]

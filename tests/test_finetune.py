@@ -148,33 +148,32 @@ def test_concept_mixing_puts_the_concept_in_its_fraction_and_leaves_the_default_
 
 
 def test_results_bench_seeds_and_zero_lr_control():
-    """bench/results.py: a seed reaches the run's three RNGs, the control zeroes every optimizer's lr of a config
-    (finetune's transformer; joint_rl's transformer and refiner template) and the CLI takes it, and a cell reads
-    before → after (one seed) or before → mean [min, max] (several)."""
+    """bench/seeds.py (experiments/results.py's runs): a seed reaches the run's three RNGs, the control zeroes every
+    optimizer's lr of a config (finetune's transformer; joint_rl's transformer and refiner template) and the CLI takes
+    it, and a cell reads before → after (one seed) or before → mean [min, max] (several)."""
     import os
     import sys
     from unittest import mock
 
+    from bench import seeds
     from posttrain.lit.tools.config import PosttrainCLI
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "bench"))
-    import results
 
-    assert results.seed_overrides(2) == ["--seed_everything=2", "--data.init_args.seed=2",
-                                         "--model.init_args.run.seed=2"]
+    assert seeds.seed_overrides(2) == ["--seed_everything=2", "--data.init_args.seed=2",
+                                       "--model.init_args.run.seed=2"]
     finetune = os.path.join(root, "configs", "finetune.yaml")
-    control = results.zero_lr_overrides(finetune)
+    control = seeds.zero_lr_overrides(finetune)
     assert control == ["--model.init_args.card.experts.transformer.optimizer.init_args.lr=0.0"]
-    assert results.zero_lr_overrides(os.path.join(root, "configs", "joint_rl.yaml")) == [
+    assert seeds.zero_lr_overrides(os.path.join(root, "configs", "joint_rl.yaml")) == [
         "--model.init_args.card.experts.transformer.optimizer.init_args.lr=0.0",
         "--model.init_args.card.refiner.optimizer.init_args.lr=0.0"]
     with mock.patch.object(sys, "argv", sys.argv[:1]):
-        cli = PosttrainCLI(args=["--config", finetune, *control, *results.seed_overrides(2)], run=False)
+        cli = PosttrainCLI(args=["--config", finetune, *control, *seeds.seed_overrides(2)], run=False)
     optimizer = cli.model.card.specs["transformer"].optimizer([torch.nn.Parameter(torch.zeros(1))])
     assert optimizer.param_groups[0]["lr"] == 0.0 and cli.datamodule.seed == 2 and cli.model.run.seed == 2
-    assert results.cell(0.5, [0.6]) == "0.500 → 0.600"
-    assert results.cell(0.5, [0.8, 0.6, 0.7]) == "0.500 → 0.700 [0.600, 0.800]"
+    assert seeds.cell(0.5, [0.6]) == "0.500 → 0.600"
+    assert seeds.cell(0.5, [0.8, 0.6, 0.7]) == "0.500 → 0.700 [0.600, 0.800]"
 
 
 def test_exclude_captions_holds_an_evaluations_captions_out():

@@ -20,8 +20,7 @@ SCRIPT = """
 import os, sys, time
 from lightning.pytorch.strategies.launchers import subprocess_script
 
-sys.path.insert(0, {tests!r})
-import launch
+import launch  # tests/, on PYTHONPATH
 
 if __name__ == "__main__":  # a forked rank imports the main script again (as __mp_main__), as spawn does
     # what Lightning's launcher does for rank 1: the same interpreter, ``-m posttrain.__main__`` (a long fit here)
@@ -47,9 +46,10 @@ def alive(pid: int) -> bool:
 
 def test_kill_job_takes_the_rank_a_forked_command_started(tmp_path):
     script = tmp_path / "two_ranks.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(tests=os.path.join(ROOT, "tests"),
-                                                    config=os.path.join(ROOT, "configs", "finetune.yaml"))))
-    done = launch.script(str(script), cwd=str(tmp_path), timeout=120)
+    script.write_text(textwrap.dedent(SCRIPT.format(config=os.path.join(ROOT, "configs", "finetune.yaml"))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "tests"),
+                                                                    os.environ.get("PYTHONPATH")])))
+    done = launch.script(str(script), cwd=str(tmp_path), env=env, timeout=120)
     killed = time.monotonic()
     # the script's own words (the started rank shares its stdout, and its progress bar writes no newline before
     # them, so they are found anywhere in a line)
