@@ -1,11 +1,12 @@
-"""Parity checks between rollout and training: the C2 identity.
+"""Log-probability parity between rollout and training: a rollout step's log p, recomputed for the update
+under the weights that sampled it, must reproduce the captured one (PPO ratio 1).
 
 A method that rolls out with captured log-probs and recomputes them for its update (flow_grpo,
 joint_rl, workflow_rl) calls ``report_rollout(self, probe)`` after each rollout and before the batch's first
 update. ``probe()`` recomputes the rollout's per-step log p under the current — still unchanged — weights and
-returns max |recomputed − stored| (``modules.rollout.Rollout.c2_gap`` for a generator, and
-``modules.refiners.refiner_c2_gap`` for a refiner's tokens). Callbacks implementing ``on_rollout_captured(trainer, pl_module,
-probe)`` receive it; they depend on this hook, never on a method class.
+returns max |recomputed − stored| (``modules.rl.rollout.Rollout.logprob_gap`` for a generator, and
+``modules.models.refiners.refiner_logprob_gap`` for a refiner's tokens). Callbacks implementing
+``on_rollout_captured(trainer, pl_module, probe)`` receive it; they depend on this hook, never on a method class.
 """
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 RolloutProbe = Callable[[], torch.Tensor]  # () -> max |Δ log p| over the rollout's SDE steps
 
 
-class C2ViolationError(RuntimeError):
-    pass
+class LogProbParityError(RuntimeError):
+    """The recomputed log p of a rollout differs from the captured one at the rollout's own weights."""
+
+
+C2ViolationError = LogProbParityError  # the former name
 
 
 def report_rollout(pl_module, probe: RolloutProbe) -> None:
@@ -31,10 +35,11 @@ def report_rollout(pl_module, probe: RolloutProbe) -> None:
             hook(trainer, pl_module, probe)
 
 
-class C2Check(Callback):
-    """Checks the C2 identity before the first update of every ``every_n_iterations``-th batch: the
+class LogProbParityCheck(Callback):
+    """Checks log-probability parity before the first update of every ``every_n_iterations``-th batch: the
     rollout's log p recomputed at the rollout's weights must equal the captured one (PPO ratio 1).
-    Logs ``train/c2_max_abs_dlogp``; above ``tolerance`` it warns or raises.
+    Logs the largest gap, max |recomputed − captured log p|, as ``train/logprob_parity_gap``; above ``tolerance``
+    it warns or raises.
 
     Args:
         every_n_iterations: check every this many iterations (the first is always checked).
@@ -45,11 +50,11 @@ class C2Check(Callback):
     def __init__(self, every_n_iterations: int = 1, tolerance: float = 1e-5,
                  on_violation: Literal["warn", "raise"] = "raise"):
         if every_n_iterations < 1:
-            raise ValueError(f"C2Check: every_n_iterations={every_n_iterations} must be >= 1")
+            raise ValueError(f"LogProbParityCheck: every_n_iterations={every_n_iterations} must be >= 1")
         if tolerance < 0:
-            raise ValueError(f"C2Check: tolerance={tolerance} must be >= 0")
+            raise ValueError(f"LogProbParityCheck: tolerance={tolerance} must be >= 0")
         if on_violation not in ("warn", "raise"):
-            raise ValueError(f"C2Check: on_violation={on_violation!r}; choose 'warn' or 'raise'")
+            raise ValueError(f"LogProbParityCheck: on_violation={on_violation!r}; choose 'warn' or 'raise'")
         self.every, self.tolerance, self.on_violation = every_n_iterations, tolerance, on_violation
         self.reported = False
         self.last_gap: float | None = None
@@ -64,20 +69,25 @@ class C2Check(Callback):
             return
         gap = float(probe())
         self.last_gap, self.checks = gap, self.checks + 1
-        pl_module.log("train/c2_max_abs_dlogp", gap, on_step=True)
+        pl_module.log("train/logprob_parity_gap", gap, on_step=True)
         if gap <= self.tolerance:  # NaN fails this comparison too
             return
-        message = (f"C2 identity violated at iteration {trainer.global_step}: max |recomputed - stored log p| = "
-                   f"{gap:.3g} > tolerance {self.tolerance:g}. Rollout and recompute differ at the same weights: "
-                   f"check that both use the same sampler (guidance scale, noise level, σ schedule), conditioning "
-                   f"and eval-mode (no dropout) model, and that no update ran before the check.")
+        message = (f"log-probability parity violated at iteration {trainer.global_step}: max |recomputed - stored "
+                   f"log p| = {gap:.3g} > tolerance {self.tolerance:g}. Rollout and recompute differ at the same "
+                   f"weights: check that both use the same sampler (guidance scale, noise level, σ schedule), "
+                   f"conditioning and eval-mode (no dropout) model, and that no update ran before the check.")
         if self.on_violation == "raise":
-            raise C2ViolationError(message)
+            raise LogProbParityError(message)
         rank_zero_warn(message)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.reported:
-            raise RuntimeError(f"C2Check: {type(pl_module).__name__} reported no rollout in iteration "
+            raise RuntimeError(f"LogProbParityCheck: {type(pl_module).__name__} reported no rollout in iteration "
                                f"{trainer.global_step}; the check applies to methods that roll out with captured "
-                               f"log-probs and call callbacks.parity.report_rollout (flow_grpo, joint_rl, workflow_rl). "
-                               f"Remove C2Check from this config.")
+                               f"log-probs and call callbacks.parity.report_rollout (flow_grpo, joint_rl, "
+                               f"workflow_rl). Remove LogProbParityCheck from this config.")
+
+
+class C2Check(LogProbParityCheck):
+    """``LogProbParityCheck`` under its former name: configs that name ``C2Check`` (short or by its full path) keep
+    working. A subclass, not an alias, so that the short name resolves in YAML too."""

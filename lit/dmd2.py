@@ -9,25 +9,25 @@ with CFG (the real score) and by a critic (the fake score, no CFG) that keeps le
 distribution by flow matching on its detached samples. The student moves along ``fake - real``,
 normalized per sample. The critic steps every iteration; the student only on every
 ``generator_update_ratio``-th, and on the others its loss is not computed at all (this is DMD2's
-two-time-scale update, not gradient accumulation). With ``gan_critic_weight`` > 0, DMD2's GAN term: a small head
-on the critic's last-block features (``modules/distill/gan.py``) learns teacher samples (real; ``gan_reals: data``: the
-batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the
-student adds the non-saturating loss of its x̂0 through the frozen critic and head (``gan_generator_weight``;
-``gan_space: pixels``: the head is a patch discriminator on the VAE-decoded clips instead);
+two-time-scale update, not gradient accumulation). With ``gan.critic_weight`` > 0, DMD2's GAN term: a small head
+on the critic's last-block features (``modules/distill/gan.py``) learns teacher samples (real; ``gan.reals: data``:
+the batch's own clips, DMD2's real images) from the student's (fake), both noised, in the critic's update, and the
+student adds the non-saturating loss of its x̂0 through the frozen critic and head (``gan.generator_weight``;
+``gan.space: pixels``: the head is a patch discriminator on the VAE-decoded clips instead);
 ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's (their gradient norms there, weights included:
-whether the GAN term does anything at the weights given). With ``regression_weight`` > 0, the first DMD's
-regression loss: the student's first step maps a teacher pair's noise to the teacher's sample from it. Math:
-METHODS.md (dmd2), ``modules/flow/losses.py``.
+whether the GAN term does anything at the weights given). With ``regression.weight`` > 0, the first DMD's
+regression loss: the student's first step maps a teacher pair's noise to the teacher's sample from it (both terms'
+settings: ``modules/distill/args.py``). Math: docs/methods.md#dmd2, ``modules/distill/losses.py``.
 
-**Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video
-Diffusion", reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; METHODS.md
-self_forcing) is this algorithm with a block-causal student (``arch: wan_t2v_causal``, ``modules/models/causal_wan.py``,
-started from the bidirectional teacher's weights) and a sampler that rolls it out chunk by chunk
-(``sampler.chunk_frames``): each chunk through the few-step list while attending to the finished chunks in a KV
-cache, each finished chunk re-run at σ = 0 without grad to fill the cache, the exit step (drawn alike on every
-process) the same for every chunk. The student then trains on its own history, exactly as it serves; the losses
-and the cadence are DMD2's on the whole rolled-out video. Both differences are configuration (the card's arch and
-the sampler), so Self-Forcing is ``configs/self_forcing.yaml``, not a second class with a copy of this step.
+**Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video Diffusion",
+reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; docs/methods.md#self-forcing) is this
+algorithm with a block-causal student (``arch: wan_t2v_causal``, ``modules/models/causal_wan.py``, started from the
+bidirectional teacher's weights) and a sampler that rolls it out chunk by chunk (``sampler.chunk_frames``): each
+chunk through the few-step list while attending to the finished chunks in a KV cache, each finished chunk re-run at
+σ = 0 without grad to fill the cache, the exit step (drawn alike on every process) the same for every chunk. The
+student then trains on its own history, exactly as it serves; the losses and the cadence are DMD2's on the whole
+rolled-out video. Both differences are configuration (the card's arch and the sampler), so Self-Forcing is
+``configs/self_forcing.yaml``, not a second class with a copy of this step.
 
     posttrain fit --config configs/dmd2.yaml
     posttrain fit --config configs/self_forcing.yaml
@@ -44,6 +44,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.models.cards import ModelCard
 from posttrain.modules.flow.conditioning import Conditioning
+from posttrain.modules.distill.args import GANArgs, RegressionArgs
 from posttrain.modules.distill.gan import HEAD, attach_head, block_features, frozen, pooled_text, tapped
 from posttrain.modules.distill.losses import dmd_generator_loss, gan_critic_loss, gan_generator_loss
 from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas, x0_from_velocity
@@ -77,35 +78,10 @@ class DMD2(ExpertModule):
         sigma_range: the σ at which both scores are taken and the critic (and the GAN head) trains, drawn
             uniformly from this range (anchor 0.02–0.98), then flow-shifted by ``shift``.
         shift: flow shift of those σ.
-        gan_generator_weight: weight of the student's non-saturating GAN loss through the critic's head (DMD2's
-            ``gen_cls_loss_weight``, anchor 3e-3 to 5e-3); 0 with ``gan_critic_weight`` 0 = no GAN term.
-        gan_critic_weight: weight of the head's real-vs-fake loss in the critic's update (DMD2's
-            ``guidance_cls_loss_weight``, anchor 1e-2); real = teacher samples of the batch's prompts, fake = the
-            student's, both noised at a σ of ``sigma_range`` (the reference's ``diffusion_gan``).
-        gan_blocks: the critic's blocks whose output features the head reads, concatenated per token (-1 = the
-            last, DMD2's bottleneck; several = a discriminator on several depths, as LADD's heads).
-        gan_space: where the head looks: ``critic`` (the critic's block features, DMD2's) or ``pixels`` (a 3-D
-            PatchGAN on the VAE-decoded clips, conditioned on the prompt by projection, ``modules/distill/gan.py``: reals
-            decoded as the student's samples are, the student's loss through the frozen decoder to its x̂0; not
-            noised, spectral norm; ``gan_blocks`` unused).
-        gan_reals: what the head learns as real: ``teacher`` (one teacher sample per training prompt,
-            ``teacher_samples``) or ``data`` (the batch's own clips, encoded by the VAE, or its latents: DMD2's real
-            images, which let the student move past its teacher; needs captioned videos as data, e.g.
-            ``SyntheticVideos`` or ``VideoFolder``).
-        regression_weight: weight of DMD's regression loss (Yin et al. 2023, the first DMD): the student's first
-            step from a teacher pair's noise regresses onto the teacher's sample from that noise (latent MSE), added
-            to the student's loss; 0 = off (DMD2's choice at ImageNet scale). A chunked student regresses each
-            chunk's first step, rolled out chunk by chunk through its KV cache (as CausVid's ODE initialisation
-            regresses a causal student onto the teacher's ODE).
-        regression_pairs: teacher (noise, sample) pairs per training prompt, drawn once (``teacher_pairs``).
-        regression_until: the regression term applies on iterations before this one only, a warm-up (DMD2's
-            one-step SDXL student pre-trains on regression alone, then runs DMD without it; here DMD runs
-            throughout); None = every iteration.
-        regression_steps: which of the student's steps regress: ``first`` (DMD's: the first step from the pair's
-            noise, as above) or ``every`` (CausVid's ODE regression: a random step k of the list, the same on every
-            process, from the pair's sample noised by the pair's noise to σ_k — the input the step serves on when
-            the steps before it drew the teacher's sample — onto that sample; a block-causal student runs the whole
-            clip at σ_k under its chunk mask, so its first chunk sees nothing before it, as it serves).
+        gan: DMD2's GAN term (``GANArgs``: its two weights, the critic's blocks the head reads, whether it looks at
+            the critic's features or the decoded clips, what it learns as real); None = off.
+        regression: the first DMD's regression onto teacher pairs (``RegressionArgs``: its weight, pairs per
+            prompt, which of the student's steps regress, a warm-up); None = off.
         ema_decay: keep ``transformer_ema``, an EMA of the student with this decay per student step, and serve it
             (samples, validation, ``predict``; Self-Forcing's ``ema_weight``, anchor 0.99); None keeps none.
         real_guidance_scale: the CFG scale of the real score (DMD2's ``real_guidance_scale``); None = the teacher
@@ -123,102 +99,27 @@ class DMD2(ExpertModule):
                  backward_simulation: bool = True, exit_steps: Literal["random", "last"] = "random",
                  teacher_sampler: Optional[FlowMatchSampler] = None,
                  generator_update_ratio: int = 5, sigma_range: tuple[float, float] = (0.02, 0.98), shift: float = 3.0,
-                 gan_generator_weight: float = 0.0, gan_critic_weight: float = 0.0,
-                 gan_blocks: tuple[int, ...] = (-1,), gan_reals: Literal["teacher", "data"] = "teacher",
-                 gan_space: Literal["critic", "pixels"] = "critic",
-                 regression_weight: float = 0.0,
-                 regression_pairs: int = 4, regression_steps: Literal["first", "every"] = "first",
-                 regression_until: Optional[int] = None,
+                 gan: Optional[GANArgs] = None, regression: Optional[RegressionArgs] = None,
                  ema_decay: Optional[float] = None,
                  real_guidance_scale: Optional[float] = None, real_guidance_rescale: Optional[float] = None,
                  real_guidance_interval: Optional[tuple[float, float]] = None,
                  run: Optional[RunArgs] = None):
-        problems = []
         sampler = sampler or FlowMatchSampler(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True))
-        if student_steps < 1:
-            problems.append(f"student_steps={student_steps} must be >= 1 (the student's sampling steps, e.g. 1, 2 "
-                            f"or 4)")
-        elif sampler.step_sigmas is not None and len(sampler.step_sigmas) != student_steps:
-            problems.append(f"student_steps={student_steps} but sampler.step_sigmas={sampler.step_sigmas} lists "
-                            f"{len(sampler.step_sigmas)} steps: drop sampler.step_sigmas (the steps follow "
-                            f"student_steps) or make them agree")
-        elif sampler.step_sigmas is None:
+        problems = student_steps_problems(sampler, student_steps)
+        if not problems and sampler.step_sigmas is None:
             sampler = student_sampler(sampler, student_steps)
         super().__init__(card, sampler, run)
         self.student, self.critic, self.teacher = self.stage.transformer, "critic", "teacher"
-        problems += self.card_problems("dmd2", trains=(self.student,))
-        problems += self.stage.peer_problems(self.critic, "the fake score", trainable=True,
-                                             hint="; add a trainable `critic` expert, e.g. `init_from: teacher`")
-        problems += self.stage.peer_problems(self.teacher, "the real score", trainable=False,
-                                             hint="; add the frozen many-step `teacher` expert (`pretrained:` its "
-                                                  "weights)")
-        if generator_update_ratio < 1:
-            problems.append(f"generator_update_ratio={generator_update_ratio} must be >= 1 (the student steps on "
-                            f"every N-th iteration; anchor 5)")
-        low, high = sigma_range
-        if not 0.0 < low < high <= 1.0:
-            problems.append(f"sigma_range={tuple(sigma_range)} must satisfy 0 < low < high <= 1 (anchor (0.02, 0.98))")
-        if not backward_simulation and sampler.chunk_frames is not None:
-            problems.append(f"backward_simulation=False feeds the student's exit step a noised teacher sample, but "
-                            f"sampler.chunk_frames={sampler.chunk_frames} rolls it out chunk by chunk through its "
-                            f"own KV cache (Self-Forcing): keep backward_simulation: true")
-        if gan_generator_weight < 0 or gan_critic_weight < 0:
-            problems.append(f"gan_generator_weight={gan_generator_weight} and gan_critic_weight={gan_critic_weight} "
-                            f"must be >= 0 (DMD2 anchors 3e-3 and 1e-2; both 0 = no GAN term)")
-        elif gan_generator_weight > 0 and gan_critic_weight == 0:
-            problems.append(f"gan_generator_weight={gan_generator_weight} needs gan_critic_weight > 0: the head the "
-                            f"student is scored by never learns otherwise (DMD2 anchor 1e-2)")
-        # the options that choose among named meanings, and those a run without the GAN term would ignore
-        choices = {"gan_space": (gan_space, {"critic": "the head on the critic's features, DMD2's",
-                                             "pixels": "a patch discriminator on the decoded clips"}),
-                   "gan_reals": (gan_reals, {"teacher": "teacher samples of the prompts",
-                                             "data": "the batch's clips, DMD2's real images"}),
-                   "regression_steps": (regression_steps, {"first": "DMD's", "every": "CausVid's ODE regression"}),
-                   "exit_steps": (exit_steps, {"random": "DMD2's, a step drawn each iteration",
-                                               "last": "the served sample alone"})}
-        wrong = [name for name, (value, meanings) in choices.items() if value not in meanings]
-        for name in wrong:
-            value, meanings = choices[name]
-            problems.append(f"{name}={value!r} must be " + " or ".join(f"'{k}' ({m})" for k, m in meanings.items()))
-        gan_only = {"gan_blocks": (tuple(gan_blocks) != (-1,),
-                                   f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads"),
-                    "gan_space": (gan_space != "critic", f"gan_space={gan_space!r} chooses where the GAN head looks"),
-                    "gan_reals": (gan_reals != "teacher",
-                                  f"gan_reals={gan_reals!r} chooses the GAN head's real samples")}
-        if gan_critic_weight == 0:
-            problems += [f"{what}, but gan_critic_weight=0 has no GAN term: set gan_critic_weight > 0 or drop {name}"
-                         for name, (given, what) in gan_only.items() if given and name not in wrong]
-        elif gan_space == "pixels" and tuple(gan_blocks) != (-1,):
-            problems.append(f"gan_blocks={list(gan_blocks)} chooses the critic's blocks the GAN head reads, but "
-                            f"gan_space='pixels' reads the decoded clips: drop gan_blocks or set gan_space: critic")
-        if regression_weight < 0 or regression_pairs < 1:
-            problems.append(f"regression_weight={regression_weight} must be >= 0 and regression_pairs="
-                            f"{regression_pairs} >= 1 (DMD's regression loss: 0 = off; pairs per training prompt)")
-        if regression_until is not None and regression_until < 1:
-            problems.append(f"regression_until={regression_until} must be >= 1 (the iteration the regression stops "
-                            f"at) or null (every iteration)")
-        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
-        if real_guidance_scale is not None and real_guidance_scale < 1.0:
-            problems.append(f"real_guidance_scale={real_guidance_scale} must be >= 1 (1 = the teacher's score "
-                            f"unguided; null = the teacher sampler's CFG, {TEACHER_CFG} by default)")
-        if real_guidance_rescale is not None and not 0.0 <= real_guidance_rescale <= 1.0:
-            problems.append(f"real_guidance_rescale={real_guidance_rescale} must be in [0, 1] (CFG rescale's φ: 0 = "
-                            f"plain CFG, Lin et al. use 0.7; null = the teacher sampler's)")
-        if real_guidance_interval is not None and not 0.0 <= real_guidance_interval[0] < real_guidance_interval[1]:
-            problems.append(f"real_guidance_interval={tuple(real_guidance_interval)} must be (low, high) with 0 <= "
-                            f"low < high: the σ where the real score is guided (e.g. [0.22, 0.84]; null = every σ)")
+        self.gan, self.regression = gan or GANArgs(), regression or RegressionArgs()
+        problems += self._problems(backward_simulation, exit_steps, generator_update_ratio, sigma_range, ema_decay,
+                                   real_guidance_scale, real_guidance_rescale, real_guidance_interval)
         if problems:
             raise ValueError("dmd2:\n  - " + "\n  - ".join(problems))
         self.teacher_sampler = teacher_sampler or FlowMatchSampler(guidance_scale=TEACHER_CFG)
         self.backward_simulation, self.exit_steps = backward_simulation, exit_steps
         self.generator_update_ratio = generator_update_ratio
         self.sigma_range, self.shift = tuple(sigma_range), shift
-        self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
-        self.gan_blocks, self.gan_reals, self.gan_space = tuple(gan_blocks), gan_reals, gan_space
-        self.regression_weight, self.regression_pairs = regression_weight, regression_pairs
-        self.regression_steps, self.regression_until = regression_steps, regression_until
         self.ema_decay = ema_decay
         self.real_guidance_scale, self.real_guidance_rescale = real_guidance_scale, real_guidance_rescale
         self.real_guidance_interval = tuple(real_guidance_interval) if real_guidance_interval is not None else None
@@ -226,18 +127,14 @@ class DMD2(ExpertModule):
         self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
-    def gan(self) -> bool:
-        return self.gan_critic_weight > 0
-
-    @property
     def critic_gan(self) -> bool:  # the GAN head reads the critic's features (the student's GAN loss through it)
-        return self.gan and self.gan_space == "critic"
+        return self.gan.enabled and self.gan.space == "critic"
 
     def setup_roles(self) -> None:
         super().setup_roles()
-        if self.gan:  # the head is part of the critic: its optimizer, checkpoint entry and versions
-            attach_head(self.card.models[self.critic], seed=self.run.seed, blocks=self.gan_blocks,
-                        space=self.gan_space)
+        if self.gan.enabled:  # the head is part of the critic: its optimizer, checkpoint entry and versions
+            attach_head(self.card.models[self.critic], seed=self.run.seed, blocks=self.gan.blocks,
+                        space=self.gan.space)
         self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -248,7 +145,7 @@ class DMD2(ExpertModule):
         cond = self.stage.condition(prompts, self.device)
         uncond = self.stage.condition([""] * len(prompts), self.device)
         # the GAN head's real samples when they are the data's (first: data without clips fails before any step)
-        data_reals = self.data_reals(batch) if self.gan and self.gan_reals == "data" else None
+        data_reals = self.data_reals(batch) if self.gan.enabled and self.gan.reals == "data" else None
 
         # 2. the student's few-step sample x̂0, stopped at a random exit step k (the same on every process; the last
         #    with exit_steps: last); only step k has grad, and only when the student updates. Step k's input: with
@@ -283,42 +180,31 @@ class DMD2(ExpertModule):
                                                            guidance_rescale=self.real_guidance_rescale)
             critic_model = self.card.models[self.critic]
             frozen_critic = frozen(critic_model) if self.critic_gan else contextlib.nullcontext()
-            reading = block_features(critic_model, self.gan_blocks) if self.critic_gan else contextlib.nullcontext()
+            reading = block_features(critic_model, self.gan.blocks) if self.critic_gan else contextlib.nullcontext()
             with torch.set_grad_enabled(self.critic_gan), self.stage.velocity(self.critic) as critic, frozen_critic, \
                     reading as features:
                 v_fake = critic(x_t, t, cond).float()
                 gan_loss = (gan_generator_loss(self.gan_head(features())) if self.critic_gan
                             else torch.zeros(len(prompts)))
-            if self.gan and not self.critic_gan:  # on pixels: x̂0 decoded with grad, through the frozen head
+            if self.gan.enabled and not self.critic_gan:  # on pixels: x̂0 decoded with grad, through the frozen head
                 with frozen(self.gan_head):
                     gan_loss = gan_generator_loss(self.gan_head(self.stage.decode(tapped(x0, pull, "gan")),
                                                                 pooled_text(cond["encoder_hidden_states"])))
             x_t = x_t.detach()
-            per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd") if self.gan else x0,
+            per_sample, metrics = dmd_generator_loss(tapped(x0, pull, "dmd") if self.gan.enabled else x0,
                                                      x0_from_velocity(x_t, v_real, sigma),
                                                      x0_from_velocity(x_t, v_fake.detach(), sigma))
-            loss = per_sample.mean() + self.gan_generator_weight * gan_loss.to(per_sample).mean()
-            warm = self.regression_until is None or self.global_step < self.regression_until
-            if self.regression_weight > 0 and warm:  # regression onto teacher pairs (DMD's first step, or every
-                # step: ODE), until its warm-up ends
-                pairs = torch.randint(self.regression_pairs, (len(prompts),), generator=self.generator).tolist()
-                noise, target = self.teacher_pairs(prompts, pairs)
-                if self.regression_steps == "first":  # the first step from the pair's noise, as it serves (a
-                    # block-causal student's chunk by chunk through its KV cache)
-                    x0_hat = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
-                                               rng=self.generator).latents
-                else:  # a random step on the pair's sample noised by its noise (ODE regression)
-                    step = int(torch.randint(self.sampler.num_steps, (1,), generator=self.shared_generator))
-                    x0_hat = self.student_x0_from(target, noise, step, cond)
-                regression = (x0_hat.float() - target).pow(2)
-                regression = regression.mean(dim=tuple(range(1, regression.ndim)))
-                loss = loss + self.regression_weight * regression.to(per_sample).mean()
+            loss = per_sample.mean() + self.gan.generator_weight * gan_loss.to(per_sample).mean()
+            if self.regression.applies(self.global_step):  # onto teacher pairs (DMD's first step, or every step:
+                # ODE regression), until its warm-up ends
+                regression = self.regression_loss(prompts, cond, uncond)
+                loss = loss + self.regression.weight * regression.to(per_sample).mean()
                 self.log(f"train/regression_loss/{self.student}", regression.detach().mean(), on_step=True)
             self.step_experts(loss, [self.student])
             self.log(f"train/loss/{self.student}", loss.detach(), on_step=True)
             for key, value in metrics.items():
                 self.log(f"train/{key}/{self.student}", value, on_step=True)
-            if self.gan:
+            if self.gan.enabled:
                 self.log(f"train/gan_loss/{self.student}", gan_loss.detach().mean(), on_step=True)
                 if "gan" in pull and "dmd" in pull:  # the GAN term's pull on x̂0 against DMD's (weights included)
                     self.log(f"train/gan_to_dmd_grad/{self.student}", pull["gan"] / pull["dmd"], on_step=True)
@@ -332,31 +218,13 @@ class DMD2(ExpertModule):
             v = critic(noised(sample, eps, sigma), self.sampler.timestep_of(sigma), cond)
         critic_loss = flow_matching_loss(v, sample, eps)[0].mean()
         losses = [lambda: critic_loss]
-        if self.gan:
+        if self.gan.enabled:
             real = self.teacher_samples(prompts) if data_reals is None else data_reals
             # the head's noise, drawn on pixels too though unread there (the stream the measured figures used)
             sigma = self.score_sigmas(2 * len(prompts))
             eps = torch.randn((2 * len(prompts), *sample.shape[1:]), generator=self.generator).to(sample)
-
-            def gan_critic_part() -> torch.Tensor:  # its own forward: the flow-matching graph never reaches the head
-                if not self.critic_gan:  # on pixels: both decoded alike, not noised
-                    with torch.no_grad():
-                        clips = self.stage.decode(torch.cat([real, sample]))
-                    text = pooled_text(cond["encoder_hidden_states"])
-                    real_logits, fake_logits = self.gan_head(clips, torch.cat([text, text])).chunk(2)
-                else:
-                    with self.stage.velocity(self.critic) as critic, \
-                            block_features(self.card.models[self.critic], self.gan_blocks) as features:
-                        critic(noised(torch.cat([real, sample]), eps, sigma), self.sampler.timestep_of(sigma),
-                               Conditioning.cat([cond, cond]))
-                    real_logits, fake_logits = self.gan_head(features()).chunk(2)
-                per_sample, gan_metrics = gan_critic_loss(real_logits, fake_logits)
-                self.log(f"train/gan_loss/{self.critic}", per_sample.detach().mean(), on_step=True)
-                for key, value in gan_metrics.items():
-                    self.log(f"train/{key}/{self.critic}", value, on_step=True)
-                return self.gan_critic_weight * per_sample.mean()
-
-            losses.append(gan_critic_part)
+            # its own forward: the flow-matching graph never reaches the head
+            losses.append(lambda: self.gan_head_loss(real, sample, cond, sigma, eps))
         self.step_experts(losses, [self.critic])
 
         # 5. log
@@ -377,6 +245,80 @@ class DMD2(ExpertModule):
                  batch_size=len(prompts))
 
     # ------------------------------------------------------------------ helpers
+    def _problems(self, backward_simulation, exit_steps, generator_update_ratio, sigma_range, ema_decay,
+                  real_guidance_scale, real_guidance_rescale, real_guidance_interval) -> list[str]:
+        """Every configuration problem but the student's steps, collected before anything is built."""
+        problems = self.card_problems("dmd2", trains=(self.student,))
+        problems += self.stage.peer_problems(self.critic, "the fake score", trainable=True,
+                                             hint="; add a trainable `critic` expert, e.g. `init_from: teacher`")
+        problems += self.stage.peer_problems(self.teacher, "the real score", trainable=False,
+                                             hint="; add the frozen many-step `teacher` expert (`pretrained:` its "
+                                                  "weights)")
+        if generator_update_ratio < 1:
+            problems.append(f"generator_update_ratio={generator_update_ratio} must be >= 1 (the student steps on "
+                            f"every N-th iteration; anchor 5)")
+        low, high = sigma_range
+        if not 0.0 < low < high <= 1.0:
+            problems.append(f"sigma_range={tuple(sigma_range)} must satisfy 0 < low < high <= 1 (anchor (0.02, 0.98))")
+        if not backward_simulation and self.sampler.chunk_frames is not None:
+            problems.append(f"backward_simulation=False feeds the student's exit step a noised teacher sample, but "
+                            f"sampler.chunk_frames={self.sampler.chunk_frames} rolls it out chunk by chunk through its "
+                            f"own KV cache (Self-Forcing): keep backward_simulation: true")
+        problems += self.gan.problems() + self.regression.problems()
+        exits = {"random": "DMD2's, a step drawn each iteration", "last": "the served sample alone"}
+        if exit_steps not in exits:
+            problems.append(f"exit_steps={exit_steps!r} must be " +
+                            " or ".join(f"'{k}' ({m})" for k, m in exits.items()))
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            problems.append(f"ema_decay={ema_decay} must be in (0, 1) (e.g. 0.99; null serves the student itself)")
+        if real_guidance_scale is not None and real_guidance_scale < 1.0:
+            problems.append(f"real_guidance_scale={real_guidance_scale} must be >= 1 (1 = the teacher's score "
+                            f"unguided; null = the teacher sampler's CFG, {TEACHER_CFG} by default)")
+        if real_guidance_rescale is not None and not 0.0 <= real_guidance_rescale <= 1.0:
+            problems.append(f"real_guidance_rescale={real_guidance_rescale} must be in [0, 1] (CFG rescale's φ: 0 = "
+                            f"plain CFG, Lin et al. use 0.7; null = the teacher sampler's)")
+        if real_guidance_interval is not None and not 0.0 <= real_guidance_interval[0] < real_guidance_interval[1]:
+            problems.append(f"real_guidance_interval={tuple(real_guidance_interval)} must be (low, high) with 0 <= "
+                            f"low < high: the σ where the real score is guided (e.g. [0.22, 0.84]; null = every σ)")
+        return problems
+
+    def regression_loss(self, prompts: list[str], cond, uncond) -> torch.Tensor:
+        """(B,) latent MSE of the student's x̂0 to a teacher pair's sample, one pair drawn per prompt: from the
+        pair's noise through the student's first step (``regression.steps: first``, as it serves: a block-causal
+        student's chunk by chunk through its KV cache), or from a random step on the pair's sample noised by its
+        noise (``every``: ODE regression). With the caller's grad."""
+        pairs = torch.randint(self.regression.pairs, (len(prompts),), generator=self.generator).tolist()
+        noise, target = self.teacher_pairs(prompts, pairs)
+        if self.regression.steps == "first":
+            x0_hat = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
+                                       rng=self.generator).latents
+        else:
+            step = int(torch.randint(self.sampler.num_steps, (1,), generator=self.shared_generator))
+            x0_hat = self.student_x0_from(target, noise, step, cond)
+        regression = (x0_hat.float() - target).pow(2)
+        return regression.mean(dim=tuple(range(1, regression.ndim)))
+
+    def gan_head_loss(self, real: torch.Tensor, fake: torch.Tensor, cond, sigma: torch.Tensor,
+                      eps: torch.Tensor) -> torch.Tensor:
+        """The head's real-vs-fake loss in the critic's update, weighted (``gan.critic_weight``): on the critic's
+        block features of both noised at ``sigma`` by ``eps``, or on pixels both decoded alike, not noised."""
+        if not self.critic_gan:
+            with torch.no_grad():
+                clips = self.stage.decode(torch.cat([real, fake]))
+            text = pooled_text(cond["encoder_hidden_states"])
+            real_logits, fake_logits = self.gan_head(clips, torch.cat([text, text])).chunk(2)
+        else:
+            with self.stage.velocity(self.critic) as critic, \
+                    block_features(self.card.models[self.critic], self.gan.blocks) as features:
+                critic(noised(torch.cat([real, fake]), eps, sigma), self.sampler.timestep_of(sigma),
+                       Conditioning.cat([cond, cond]))
+            real_logits, fake_logits = self.gan_head(features()).chunk(2)
+        per_sample, metrics = gan_critic_loss(real_logits, fake_logits)
+        self.log(f"train/gan_loss/{self.critic}", per_sample.detach().mean(), on_step=True)
+        for key, value in metrics.items():
+            self.log(f"train/{key}/{self.critic}", value, on_step=True)
+        return self.gan.critic_weight * per_sample.mean()
+
     def real_guidance(self, sigma: torch.Tensor) -> Optional[float | torch.Tensor]:
         """The real score's CFG scale: the option's (None: the teacher sampler's), or, with an interval, per sample:
         that scale where σ lies in the interval and 1 (unguided) elsewhere."""
@@ -414,13 +356,13 @@ class DMD2(ExpertModule):
 
     @torch.no_grad()
     def data_reals(self, batch: dict) -> torch.Tensor:
-        """(B, C, F, h, w) the batch's clean latents (``gan_reals: data``): its precomputed ones, or the VAE's of its
+        """(B, C, F, h, w) the batch's clean latents (``gan.reals: data``): its precomputed ones, or the VAE's of its
         videos, which must have the run's size."""
-        real = self.batch_latents(batch, "gan_reals: data reads the batch's clips as the GAN head's real samples",
-                                  " or set gan_reals: teacher")
+        real = self.batch_latents(batch, "gan.reals: data reads the batch's clips as the GAN head's real samples",
+                                  " or set gan.reals: teacher")
         expected = (real.shape[0], *self.stage.latent_shape(self.video))
         if tuple(real.shape) != expected:
-            raise ValueError(f"gan_reals: data: the batch's clips encode to latents {tuple(real.shape)}, the student's "
+            raise ValueError(f"gan.reals: data: the batch's clips encode to latents {tuple(real.shape)}, the student's "
                              f"samples are {expected}: give the data the run's frames, height and width "
                              f"(model.init_args.run)")
         return real
@@ -443,6 +385,17 @@ class DMD2(ExpertModule):
                 self._teacher_bank[prompt, j] = (noise[0], sample.latents[0])
         chosen = [self._teacher_bank[key] for key in zip(prompts, pairs)]
         return torch.stack([n for n, _ in chosen]), torch.stack([x for _, x in chosen])
+
+
+def student_steps_problems(sampler: FlowMatchSampler, steps: int) -> list[str]:
+    """Problems of ``student_steps`` with the given sampler (a sampler that lists its steps must list that many)."""
+    if steps < 1:
+        return [f"student_steps={steps} must be >= 1 (the student's sampling steps, e.g. 1, 2 or 4)"]
+    if sampler.step_sigmas is not None and len(sampler.step_sigmas) != steps:
+        return [f"student_steps={steps} but sampler.step_sigmas={sampler.step_sigmas} lists "
+                f"{len(sampler.step_sigmas)} steps: drop sampler.step_sigmas (the steps follow student_steps) or "
+                f"make them agree"]
+    return []
 
 
 def student_sampler(sampler: FlowMatchSampler, steps: int) -> FlowMatchSampler:

@@ -5,7 +5,7 @@ Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL" (refer
 step, capturing each step's log p; they are decoded, scored, and each sample's advantage is its reward
 normalized within its group. The generator is updated by PPO-clip on a fraction of the steps plus a
 KL of the step means to a frozen reference, which carries gradient. One iteration = one rollout batch
-and its updates. Math: METHODS.md (flow_grpo), ``modules/rl/grpo.py`` (the settings, which rows train),
+and its updates. Math: docs/methods.md#flow-grpo, ``modules/rl/grpo.py`` (the settings, which rows train),
 ``modules/rl/rollout.py``, ``modules/flow/losses.py``.
 
     posttrain fit --config configs/flow_grpo.yaml
@@ -81,8 +81,8 @@ class FlowGRPO(ExpertModule):
         # 4. group-relative advantages A = clip((r - mean_g) / (std_g + 1e-4), ±5)
         advantages = grpo.advantages(rewards.total, group_ids).to(self.device)
 
-        # 5. C2: before any update, callbacks may recompute the stored log p at the rollout's weights
-        report_rollout(self, rollout.c2_gap)
+        # 5. log-probability parity: before any update, callbacks may recompute the stored log p at the rollout's weights
+        report_rollout(self, rollout.logprob_gap)
 
         # 6. PPO-clip + KL to the reference, on a fraction of the SDE steps, per minibatch; each step's
         #    loss is backed up before the next step runs (activation memory of one step). Rows with A = 0

@@ -2,19 +2,18 @@
 
 Per prompt (a user request), K generator samples form a group. For each of its K − s refined samples every
 refiner LM samples its own refinement of the request (token log-probs captured); the refinements compose, in
-refiner order, into the prompt the generator is served (``mode: rewrite``: it replaces the request; ``append``:
-it follows it; with ``concerns`` each refiner writes one part of the caption, ``requests.compose_concerns``);
-the other s = ``num_skip_refinement`` samples are served the request verbatim, so the group contrasts refined
-against unrefined. The reward scores what the user asked (the batch's facts, ``modules/rewards/intent.py``), never the
-served text. All K roll out with the sampler's
-SDE step (log p captured), are decoded and scored by one reward; group advantages follow. Each
-refiner is updated by the token policy gradient ``-(A·exp(lp - sg(lp)))`` plus a k3 KL to its frozen
-reference; the generator by Flow-GRPO's PPO-clip loss on the refined samples plus a KL to its own
-reference. ``credit: per_expert`` gives refiner i the advantage of its own reward term;
-``joint: false`` freezes the generator (ODE rollout, no optimizer: prompt-only RL, RePrompt); refiners with
-``trainable: false`` are served frozen (generator-only RL through the refiner). Each expert has its own optimizer
-and learning rate; one iteration = one prompt batch, whatever N. Math: METHODS.md (joint_rl),
-``modules/models/refiners.py``, ``modules/rl/rollout.py``.
+refiner order, into the prompt the generator is served (``refiners.mode: rewrite``: it replaces the request;
+``append``: it follows it; with ``refiners.concerns`` each refiner writes one part of the caption,
+``requests.compose_concerns``); the other s = ``refiners.num_unrefined`` samples are served the request verbatim, so
+the group contrasts refined against unrefined. The reward scores what the user asked (the batch's facts,
+``modules/rewards/intent.py``), never the served text. All K roll out with the sampler's SDE step (log p captured),
+are decoded and scored by one reward; group advantages follow. Each refiner is updated by the token policy gradient
+``-(A·exp(lp - sg(lp)))`` plus a k3 KL to its frozen reference (``refiners.kl_beta``); the generator by
+Flow-GRPO's PPO-clip loss on the refined samples plus a KL to its own reference. ``credit: per_expert`` gives
+refiner i the advantage of its own reward term; ``joint: false`` freezes the generator (ODE rollout, no optimizer:
+prompt-only RL, RePrompt); refiners with ``trainable: false`` are served frozen (generator-only RL through the
+refiner). Each expert has its own optimizer and learning rate; one iteration = one prompt batch, whatever N.
+Math: docs/methods.md#joint-rl, ``modules/models/refiners.py``, ``modules/rl/rollout.py``.
 
     posttrain fit --config configs/joint_rl.yaml          # N = 3 on requests, one concern each, per-expert credit
     posttrain fit --config configs/unified_rl.yaml        # N = 1 on requests (UniRL / PromptRL)
@@ -22,7 +21,7 @@ and learning rate; one iteration = one prompt batch, whatever N. Math: METHODS.m
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence, Union
+from typing import Literal, Optional, Sequence
 
 import torch
 from lightning.pytorch.loggers import WandbLogger
@@ -32,8 +31,9 @@ from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.io import batch as batch_schema
 from posttrain.modules.models.cards import ModelCard
 from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
-from posttrain.modules.models.refiners import Refinements, refiner_c2_gap, refiner_loss, sample_refinements
-from posttrain.modules.world.requests import CONCERN_TEMPLATES, CONCERNS, REWRITE_TEMPLATE, facts_from_batch, \
+from posttrain.modules.rl.refiner_args import RefinerArgs
+from posttrain.modules.models.refiners import Refinements, refiner_logprob_gap, refiner_loss, sample_refinements
+from posttrain.modules.world.requests import CONCERN_TEMPLATES, REWRITE_TEMPLATE, facts_from_batch, \
     refinement_tokens, serve
 from posttrain.modules.world.world import FACTS
 from posttrain.modules.rewards.synthetic import ColourAlignment
@@ -55,28 +55,16 @@ class JointRL(ExpertModule):
             (``original_prompts``), each refiner's text (``refinements``) and, when the batch carries them
             (``datamodules.Requests``), the requests' ``facts``. None = ``ColourAlignment()``.
         grpo: the GRPO settings (K, timestep fraction, PPO clip, the generator's KL, advantages, which rows
-            train, micro-batches of the generator's forward; ``modules.grpo.GRPOArgs``); one update per rollout
+            train, micro-batches of the generator's forward; ``modules.rl.grpo.GRPOArgs``); one update per rollout
             batch (no inner epochs or minibatches).
-        num_skip_refinement: how many of the K samples are served the request verbatim.
+        refiners: how the refiners write and are served and trained (``modules.rl.refiner_args.RefinerArgs``:
+            ``rewrite`` or ``append``, a concern per refiner, token budget, temperature, context template, the KL
+            to each one's reference, how many samples are served the request verbatim).
         credit: ``shared`` credits every refiner with the total reward's advantage; ``per_expert``
             credits refiner i with the advantage of the reward term named after it.
         generator_term: credit the generator with the advantage of this reward term (e.g. ``colour``,
             the media part of a weighted reward) instead of the total's; None = the total.
         joint: train the generator too; False freezes it (ODE rollout, no optimizer).
-        mode: ``rewrite``: the refinement replaces the request (what a pretrained rewriter is for);
-            ``append``: it follows the request (``request, refinement``).
-        concerns: refiner i writes concern ``concerns[i]`` (``shape``, ``colours`` or ``motion``,
-            ``requests.CONCERNS``) and the parts compose into the world's caption (``requests.compose_concerns``);
-            None = each refiner writes a whole refinement (N > 1: joined by ``", "``). Give the reward the
-            same map (``IntentReward(concerns={refiner_0: shape, ...})``) so per-expert credit scores each
-            refiner on the facts it writes.
-        max_new_tokens: longest refinement, in tokens; None = sized for the task (``requests.refinement_tokens``:
-            a whole caption, 56 bytes, or the refiner's concern).
-        temperature: the refiners' sampling temperature (training and serving).
-        refiner_template: each refiner's chat-free context, formatted with ``prompt``: one for all or one per
-            refiner; None = the task's own (``requests.REWRITE_TEMPLATE`` ``"{prompt}\\n"``, or the concern's
-            ``requests.CONCERN_TEMPLATES``, as the shipped refiner was pretrained).
-        refiner_kl: weight of each refiner's k3 KL to its frozen reference.
         shared_noise: the K samples of a request start from one initial noise (common random numbers): within a
             group the rewards then differ by what was served (and, when the generator trains, by its SDE
             noise), not by the draw; False draws each sample's own.
@@ -87,32 +75,27 @@ class JointRL(ExpertModule):
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
-                 grpo: Optional[GRPOArgs] = None, num_skip_refinement: int = 1,
+                 grpo: Optional[GRPOArgs] = None, refiners: Optional[RefinerArgs] = None,
                  credit: Literal["shared", "per_expert"] = "shared", generator_term: Optional[str] = None,
-                 joint: bool = True, mode: Literal["rewrite", "append"] = "rewrite",
-                 concerns: Optional[list[Literal["shape", "colours", "motion"]]] = None,
-                 max_new_tokens: Optional[int] = None, temperature: float = 1.0,
-                 refiner_template: Union[str, list[str], None] = None, refiner_kl: float = 0.01,
-                 shared_noise: bool = False, table_every_n_iterations: int = 50, run: Optional[RunArgs] = None):
+                 joint: bool = True, shared_noise: bool = False, table_every_n_iterations: int = 50,
+                 run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
         self.rollout_sampler = rollout_sampler or self.sampler
         self.grpo = grpo or GRPOArgs()
+        self.refiner_args = refiners or RefinerArgs()
         self.reward = reward if reward is not None else ColourAlignment()
-        problems = self._problems(card, num_skip_refinement, credit, generator_term, joint, mode, concerns,
-                                  max_new_tokens, temperature, refiner_template, refiner_kl,
-                                  table_every_n_iterations, "rollout_sampler" if rollout_sampler else "sampler")
+        problems = self._problems(card, credit, generator_term, joint, table_every_n_iterations,
+                                  "rollout_sampler" if rollout_sampler else "sampler")
         if problems:
             raise ValueError("joint_rl:\n  - " + "\n  - ".join(problems))
-        self.num_skip_refinement = num_skip_refinement
-        self.credit, self.generator_term, self.joint = credit, generator_term, joint
-        self.mode, self.concerns = mode, (list(concerns) if concerns is not None else None)
-        self.temperature, self.refiner_kl, self.shared_noise = temperature, refiner_kl, shared_noise
+        self.credit, self.generator_term, self.joint, self.shared_noise = credit, generator_term, joint, shared_noise
         # each refiner's context template and token budget (its task: the whole rewrite or its concern)
-        tasks = self.concerns or [None] * card.num_refiners
-        templates = refiner_template if isinstance(refiner_template, list) else [refiner_template] * len(tasks)
+        args = self.refiner_args
+        tasks = args.concerns or [None] * card.num_refiners
+        templates = args.template if isinstance(args.template, list) else [args.template] * len(tasks)
         self.templates = {name: template or (CONCERN_TEMPLATES[task] if task else REWRITE_TEMPLATE)
                           for name, template, task in zip(card.refiners, templates, tasks)}
-        self.max_new_tokens = {name: max_new_tokens or refinement_tokens(task)
+        self.max_new_tokens = {name: args.max_new_tokens or refinement_tokens(task)
                                for name, task in zip(card.refiners, tasks)}
         self.table_every = table_every_n_iterations
         self.policy = self.stage.transformer
@@ -132,7 +115,7 @@ class JointRL(ExpertModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = batch_schema.prompts(batch, "joint_rl")
         grpo, sampler = self.grpo, self.rollout_sampler
-        K, S = grpo.num_samples_per_prompt, self.num_skip_refinement
+        K, S = grpo.num_samples_per_prompt, self.refiner_args.num_unrefined
         refiners = self.card.refiners
         # Sample j = b·K + k of request b: k < K − S refined, the last S served the request verbatim.
         # Group keys come with the batch, the same on every process.
@@ -141,19 +124,11 @@ class JointRL(ExpertModule):
         refined = torch.tensor([b * K + k for b in range(len(prompts)) for k in range(K - S)], device=self.device)
 
         # 1. refiners sample: each refiner writes its own refinement for every refined sample; the served
-        #    prompts follow from them (``mode``, ``concerns``), a skip sample's is the request itself
-        samples: dict[str, Refinements] = {}
-        for name in refiners:
-            samples[name] = sample_refinements(
-                self.card[name], self.card.tokenizers[name], [originals[j] for j in refined.tolist()],
-                self.generator, self.max_new_tokens[name], self.temperature, self.templates[name])
-        texts = {name: [""] * len(originals) for name in refiners}  # "" = no refinement (skip samples)
-        for name in refiners:
-            for m, j in enumerate(refined.tolist()):
-                texts[name][j] = samples[name].texts[m]
+        #    prompts follow from them (``refiners.mode``, ``refiners.concerns``), an unrefined sample's is the request
+        samples = {name: self._sample(name, [originals[j] for j in refined.tolist()], self.generator)
+                   for name in refiners}
+        texts, served = self._compose(originals, refined, samples)
         is_refined = set(refined.tolist())
-        served = [self._serve(p, [texts[name][j] for name in refiners] if j in is_refined else None)
-                  for j, p in enumerate(originals)]
 
         # 2. roll out K samples per request on what was served: SDE with log p when the generator trains,
         #    else the ODE (``shared_noise``: a group's samples start from one draw)
@@ -177,8 +152,8 @@ class JointRL(ExpertModule):
         if self.generator_term is not None:
             generator_advantages = grpo.advantages(credited_term(rewards, self.generator_term, "joint_rl"),
                                                    group_ids).to(self.device)
-        # C2: before any update, callbacks may recompute every captured log p at the rollout's weights
-        report_rollout(self, lambda: self._c2_gap(samples, rollout))
+        # log-probability parity: before any update, callbacks may recompute each captured log p at rollout weights
+        report_rollout(self, lambda: self._logprob_gap(samples, rollout))
 
         # 4. update refiners: token PG on each refined sample's completion + k3 KL to the reference.
         #    One backward over all refiners with signal; a refiner whose samples all have A = 0 (on every
@@ -186,7 +161,8 @@ class JointRL(ExpertModule):
         refiner_losses, stepping = [], []
         for name in self.trained_refiners:
             loss, metrics = refiner_loss(self.card, name, self.references[name], samples[name],
-                                         credited[name][refined], self.temperature, self.refiner_kl)
+                                         credited[name][refined], self.refiner_args.temperature,
+                                         self.refiner_args.kl_beta)
             self.log(f"train/loss/{name}", loss.detach(), on_step=True)
             self.log(f"train/kl/{name}", metrics["kl"], on_step=True)
             self.log(f"train/tokens/{name}", metrics["tokens"], on_step=True)
@@ -237,10 +213,7 @@ class JointRL(ExpertModule):
         """Each refiner's refinement of each request (sampled as in training, from an rng seeded with ``seed``)
         and the prompts the generator is served."""
         rng = torch.Generator().manual_seed(seed)
-        refinements = {name: sample_refinements(self.card[name], self.card.tokenizers[name], prompts, rng,
-                                                self.max_new_tokens[name], self.temperature,
-                                                self.templates[name]).texts
-                       for name in self.card.refiners}
+        refinements = {name: self._sample(name, prompts, rng).texts for name in self.card.refiners}
         served = [self._serve(p, [refinements[n][b] for n in self.card.refiners]) for b, p in enumerate(prompts)]
         return refinements, served
 
@@ -258,9 +231,28 @@ class JointRL(ExpertModule):
         return [f"{p} → {self.served.get(p, p)}" for p in prompts]
 
     # ------------------------------------------------------------------ helpers
+    def _sample(self, name: str, prompts: list[str], rng: torch.Generator) -> Refinements:
+        """Refiner ``name``'s refinement of each of ``prompts`` (its template, token budget and the temperature),
+        token log-probs captured."""
+        return sample_refinements(self.card[name], self.card.tokenizers[name], prompts, rng, self.max_new_tokens[name],
+                                  self.refiner_args.temperature, self.templates[name])
+
+    def _compose(self, originals: list[str], refined: torch.Tensor,
+                 samples: dict[str, Refinements]) -> tuple[dict[str, list[str]], list[str]]:
+        """Each refiner's text per sample ("" for an unrefined one) and the prompt each sample is served: sample
+        ``refined[m]`` got refinement m of every refiner, the others the request verbatim."""
+        texts = {name: [""] * len(originals) for name in samples}
+        for name in samples:
+            for m, j in enumerate(refined.tolist()):
+                texts[name][j] = samples[name].texts[m]
+        is_refined = set(refined.tolist())
+        served = [self._serve(p, [texts[name][j] for name in samples] if j in is_refined else None)
+                  for j, p in enumerate(originals)]
+        return texts, served
+
     def _serve(self, request: str, refinements: Optional[Sequence[str]]) -> str:
-        """The prompt the generator is served for ``request`` and the refiners' texts (None: a skip sample)."""
-        return serve(request, refinements, self.mode, self.concerns)
+        """The prompt the generator is served for ``request`` and the refiners' texts (None: an unrefined sample)."""
+        return serve(request, refinements, self.refiner_args.mode, self.refiner_args.concerns)
 
     @staticmethod
     def _context(batch: dict, originals: list[str], texts: dict[str, list[str]], repeats: int) -> dict:
@@ -271,8 +263,7 @@ class JointRL(ExpertModule):
             context["facts"] = [f for f in facts_from_batch(batch) for _ in range(repeats)]
         return context
 
-    def _problems(self, card, S, credit, generator_term, joint, mode, concerns, max_new_tokens, temperature,
-                  template, refiner_kl, table_every, sampler_option) -> list[str]:
+    def _problems(self, card, credit, generator_term, joint, table_every, sampler_option) -> list[str]:
         """Every configuration problem, collected before anything is built."""
         problems = self.card_problems("joint_rl", trains=())  # the generator trains only when joint
         problems += self.grpo.problems("joint_rl", unused=("num_inner_epochs", "num_minibatches"))
@@ -295,38 +286,10 @@ class JointRL(ExpertModule):
         if card.num_refiners and not joint and not trains_refiner:
             problems.append("nothing trains: joint=false freezes the generator and every refiner is trainable=false; "
                             "set the refiner `trainable: true` with an optimizer, or joint: true")
-        K = self.grpo.num_samples_per_prompt
-        if not 0 <= S < K:
-            problems.append(f"num_skip_refinement={S} must be in [0, grpo.num_samples_per_prompt={K}): at least one "
-                            f"sample per prompt must use the refinements")
+        problems += self.refiner_args.problems(card.refiners, self.grpo.num_samples_per_prompt,
+                                               getattr(self.reward, "concerns", None))
         if credit not in ("shared", "per_expert"):
             problems.append(f"credit={credit!r}; choose 'shared' or 'per_expert'")
-        if mode not in ("rewrite", "append"):
-            problems.append(f"mode={mode!r}; choose 'rewrite' (the refinement replaces the request) or 'append' "
-                            f"(it follows the request)")
-        if concerns is not None:
-            unknown = [c for c in concerns if c not in CONCERNS]
-            if unknown or len(set(concerns)) != len(concerns) or len(concerns) != card.num_refiners:
-                problems.append(f"concerns={list(concerns)} must give each of the {card.num_refiners} refiners its own "
-                                f"concern, one of {list(CONCERNS)} (e.g. [shape, colours, motion] for 3), or be null")
-            else:
-                wanted = dict(zip(card.refiners, concerns))
-                given = getattr(self.reward, "concerns", None)
-                if given is not None and given and dict(given) != wanted:
-                    problems.append(f"the reward's concerns {dict(given)} are not the refiners' {wanted}: each refiner "
-                                    f"must be scored on the concern it writes; give the reward concerns={wanted}")
-        if max_new_tokens is not None and max_new_tokens < 1:
-            problems.append(f"max_new_tokens={max_new_tokens} must be >= 1 (or null: sized for the task)")
-        if temperature <= 0:
-            problems.append(f"temperature={temperature} must be > 0")
-        templates = template if isinstance(template, list) else [template]
-        if isinstance(template, list) and len(template) != card.num_refiners:
-            problems.append(f"refiner_template gives {len(template)} templates for {card.num_refiners} refiners: "
-                            f"give one for all, or one per refiner")
-        problems += [f"refiner_template={t!r} must contain '{{prompt}}'" for t in templates
-                     if t is not None and "{prompt}" not in t]
-        if refiner_kl < 0:
-            problems.append(f"refiner_kl={refiner_kl} must be >= 0")
         if table_every < 1:
             problems.append(f"table_every_n_iterations={table_every} must be >= 1")
         if joint:
@@ -342,10 +305,11 @@ class JointRL(ExpertModule):
             problems += term_problems(self.reward, needed, torch.zeros(1, 3, 1, 8, 8), ["a red circle"], context)
         return problems
 
-    def _c2_gap(self, samples: dict[str, Refinements], rollout: Rollout) -> torch.Tensor:
+    def _logprob_gap(self, samples: dict[str, Refinements], rollout: Rollout) -> torch.Tensor:
         """max |recomputed − captured log p| over the generator's SDE steps and every refiner's tokens."""
-        gaps = [torch.zeros(())] + ([rollout.c2_gap().cpu()] if self.joint else [])
-        gaps += [refiner_c2_gap(self.card[name], sample, self.temperature).cpu() for name, sample in samples.items()]
+        gaps = [torch.zeros(())] + ([rollout.logprob_gap().cpu()] if self.joint else [])
+        gaps += [refiner_logprob_gap(self.card[name], sample, self.refiner_args.temperature).cpu()
+                 for name, sample in samples.items()]
         return torch.stack(gaps).max()
 
     def served_table(self, originals: list[str], texts: dict[str, list[str]], refined: set[int], served: list[str],

@@ -1,6 +1,6 @@
 """Workflow RL: one reward on the final video trains every stage of a cross-model workflow.
 
-METHODS.md (workflow_rl). Stages in order — optionally refiner LMs, then a text-to-image generator
+docs/methods.md#workflow-rl. Stages in order — optionally refiner LMs, then a text-to-image generator
 (FLUX), then an image-to-video generator (Wan I2V) — each with its own sampler, experts, optimizer and
 version (``modules/rl/workflow.py``). Per prompt, K samples flow through the whole chain: every trainable
 stage rolls out with the SDE step of its own sampler and captures its per-step log p (refiners: token
@@ -11,8 +11,9 @@ intermediate media, ``StageReward``); advantages are grouped per prompt; ``credi
 stage the advantage of the total, ``per_stage`` gives stage s the advantage of its own term
 (``Stage.credit``, e.g. ``colour`` for the image stage, ``motion`` for the video stage). Each trainable
 stage then takes its own Flow-GRPO PPO-clip loss with a KL to its own frozen reference (refiners: the
-token policy gradient with a k3 KL), and its own optimizer step. The C2 identity is checked for every
-stage that captured log-probs. One iteration = one prompt batch through the chain and every update.
+token policy gradient with a k3 KL), and its own optimizer step. Log-probability parity (recomputed ==
+captured at the rollout's weights) is checked for every stage that captured log-probs. One iteration = one
+prompt batch through the chain and every update.
 
     posttrain fit --config configs/workflow_rl.yaml
 """
@@ -29,7 +30,7 @@ from posttrain.lit.workflow import Workflow
 from posttrain.modules.io import batch as batch_schema
 from posttrain.modules.models.cards import ModelCard
 from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
-from posttrain.modules.models.refiners import Refinements, compose_prompt, refiner_c2_gap, refiner_loss, sample_refinements
+from posttrain.modules.models.refiners import Refinements, compose_prompt, refiner_logprob_gap, refiner_loss, sample_refinements
 from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rewards.base import Reward, credited_term, score, term_problems
 from posttrain.modules.rl.rollout import Rollout, mean_metrics, train_steps
@@ -119,8 +120,8 @@ class WorkflowRL(Workflow):
                       self.grpo.advantages(credited_term(rewards, stage.credit, "workflow_rl"), group_ids).to(self.device)
                       for stage in self.stages if stage.trainable}
 
-        # 4. C2: before any update, every captured log p is recomputed at the rollout's weights
-        report_rollout(self, lambda: self._c2_gap(refined, rollouts))
+        # 4. log-probability parity: before any update, every captured log p is recomputed at the rollout's weights
+        report_rollout(self, lambda: self._logprob_gap(refined, rollouts))
 
         # 5. update each trainable stage from its own rollout, with its own optimizer (its version moves)
         for stage in self.stages:
@@ -185,14 +186,14 @@ class WorkflowRL(Workflow):
             self.log(f"val/reward/{name}", value.mean(), batch_size=len(prompts))
 
     # ------------------------------------------------------------------ helpers
-    def _c2_gap(self, refined: dict[str, Refinements], rollouts: dict[str, Rollout]) -> torch.Tensor:
+    def _logprob_gap(self, refined: dict[str, Refinements], rollouts: dict[str, Rollout]) -> torch.Tensor:
         """max |recomputed − captured log p| over every trainable stage: SDE steps and refiner tokens."""
         gaps = [torch.zeros(())]
         for stage in self.stages:
             if stage.trainable and stage.kind == "generator":
-                gaps.append(rollouts[stage.name].c2_gap().cpu())
+                gaps.append(rollouts[stage.name].logprob_gap().cpu())
             elif stage.trainable:
-                gaps += [refiner_c2_gap(self.card[name], refined[name], stage.temperature).cpu()
+                gaps += [refiner_logprob_gap(self.card[name], refined[name], stage.temperature).cpu()
                          for name in self.plan.refiners_of(stage)]
         return torch.stack(gaps).max()
 

@@ -195,14 +195,14 @@ class TwoExperts(ExpertModule):
 
 
 class RecordRollouts(Callback):
-    """Save every rollout's per-step log p (``(T, B)``, captured in the rollout) and its C2 gap (recomputed at the
+    """Save every rollout's per-step log p (``(T, B)``, captured in the rollout) and its log-probability gap (recomputed at the
     rollout's weights) to ``<folder>/rollout_<rank>_<iteration>.pt``."""
 
     def __init__(self, folder: str):
         self.folder = folder
 
     def on_rollout_captured(self, trainer, pl_module, probe) -> None:
-        rollout = probe.__self__  # the probe is the rollout's bound ``c2_gap``
+        rollout = probe.__self__  # the probe is the rollout's bound ``logprob_gap``
         os.makedirs(self.folder, exist_ok=True)
         torch.save({"log_probs": rollout.traj.log_probs.detach().clone(), "gap": float(probe())},
                    os.path.join(self.folder, f"rollout_{trainer.global_rank}_{trainer.global_step}.pt"))

@@ -33,6 +33,12 @@ def test_help_lists_what_runs(capsys):
     assert code == 0
     commands = re.search(r"\{([a-z,-]+)\}", out).group(1).split(",")
     assert commands == ["fit", "validate", "predict", "export", "estimate", "preprocess", "reward", "serve-reward"]
+    # it opens with what posttrain does, then one line per command (not Lightning's "Trainer command line tool")
+    opening = out.split("\n\n")[1]
+    assert opening.startswith("posttrain post-trains video and image generators"), out
+    assert "Lightning Trainer command line tool" not in out
+    described = re.findall(r"^  ([a-z-]+)  ", out.split("options:")[0], flags=re.MULTILINE)
+    assert described == commands, out
     code, out, _ = run_main(capsys, "fit", "--help")
     assert "--optimizer" not in out and "--lr_scheduler" not in out and "--model.help" in out
 
@@ -51,6 +57,20 @@ def test_errors_are_one_short_message(capsys, args, expected):
     assert err.startswith("posttrain fit: error: ") and expected in err, err
     assert "Traceback" not in err and "Union subtypes" not in err and "Given value" not in err
     assert len(err.splitlines()) <= 8, err
+
+
+@pytest.mark.parametrize("config, old, new", [("unified_rl.yaml", "refiner_kl", "refiners.kl_beta"),
+                                               ("joint_rl.yaml", "num_skip_refinement", "refiners.num_unrefined"),
+                                               ("dmd2.yaml", "gan_critic_weight", "gan.critic_weight"),
+                                               ("dmd2.yaml", "regression_weight", "regression.weight")])
+def test_a_flat_key_of_before_names_its_new_place(capsys, tmp_path, config, old, new):
+    """joint_rl's refiner settings and dmd2's GAN and regression settings live in groups (``refiners:``, ``gan:``,
+    ``regression:``): a config or a flag that still sets the old flat key fails with one message naming its place."""
+    old_yaml = tmp_path / "old.yaml"
+    old_yaml.write_text(yaml.safe_dump({"model": {"init_args": {old: 0}}}))
+    for extra in (["--config", str(old_yaml)], [f"--model.init_args.{old}=0"]):
+        code, _, err = run_main(capsys, "fit", "--config", os.path.join(ROOT, "configs", config), *extra)
+        assert code == 2 and f"`{old}` is now `{new}`" in err, err
 
 
 def test_on_a_terminal_the_error_starts_its_own_line(monkeypatch):

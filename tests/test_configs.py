@@ -1,4 +1,5 @@
-"""Every YAML in configs/ parses with the real CLI, builds its card and names real classes."""
+"""Every YAML in configs/ (and the tests' own in tests/configs/) parses with the real CLI, builds its card and names
+real classes."""
 from __future__ import annotations
 
 import glob
@@ -12,7 +13,8 @@ from posttrain.lit.base import ExpertModule
 from posttrain.lit.tools.config import PosttrainCLI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))) + \
+    sorted(glob.glob(os.path.join(ROOT, "tests", "configs", "*.yaml")))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])

@@ -23,6 +23,7 @@ from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.dmd2 import DMD2
 from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.distill.args import GANArgs, RegressionArgs
 from posttrain.modules.distill.gan import PixelDiscriminator, block_features, feature_dim, pooled_text
 from posttrain.modules.flow.samplers import FlowMatchSampler, shift_sigmas
 from tests.conftest import TINY_WAN
@@ -312,7 +313,9 @@ def test_checkpoint_carries_both_optimizers_and_resume_is_bitwise(tmp_path):
 
 
 # ---------------------------------------------------------------------- student steps, backward simulation, GAN
-GAN = dict(gan_generator_weight=3e-3, gan_critic_weight=1e-2)
+def gan(**kwargs) -> GANArgs:
+    """The GAN term on at DMD2's anchor weights, with ``kwargs`` set."""
+    return GANArgs(**{"generator_weight": 3e-3, "critic_weight": 1e-2, **kwargs})
 
 
 @pytest.mark.parametrize("steps, sigmas", [(1, [1.0]), (2, [1.0, 0.5]), (4, [1.0, 0.75, 0.5, 0.25])])
@@ -411,7 +414,7 @@ def test_gan_head_gets_gradient_only_from_the_terms_meant_for_it(monkeypatch):
     the features). The student's GAN loss runs through the critic as a constant: every critic and head parameter
     stops requiring grad while it is computed, and it reaches the student's weights. Head gradients are written
     only in critic updates."""
-    module = dmd2(ratio=2, **GAN)
+    module = dmd2(ratio=2, gan=gan())
     module.configure_model()
     head = list(module.gan_head.parameters())
     critic = [p for p in module.card.models["critic"].parameters() if all(p is not h for h in head)]
@@ -466,12 +469,12 @@ def test_gan_head_gets_gradient_only_from_the_terms_meant_for_it(monkeypatch):
 
 
 def test_a_head_on_several_blocks_reads_each_of_them():
-    """``gan_blocks``: the head reads the named blocks' output features, concatenated per token in block order (k·D
+    """``gan.blocks``: the head reads the named blocks' output features, concatenated per token in block order (k·D
     wide), and its loss reaches the critic through them: with block 0 alone it reaches block 0 and nothing above it
     (the blocks above run after the features it reads); with blocks 0 and -1 it reaches every block."""
     seen = {}
     for blocks in [(0,), (0, -1)]:
-        module = dmd2(ratio=2, gan_blocks=blocks, **GAN)
+        module = dmd2(ratio=2, gan=gan(blocks=blocks))
         module.configure_model()
         critic_model = module.card.models["critic"]
         width = feature_dim(critic_model)
@@ -492,15 +495,16 @@ def test_a_head_on_several_blocks_reads_each_of_them():
                         for block in critic_model.blocks]
     assert seen[(0,)] == [True] + [False] * (len(seen[(0,)]) - 1)
     assert all(seen[(0, -1)])
-    with pytest.raises(ValueError, match=r"gan_blocks=\[7\]: the critic has 4 blocks, so each index lies in \[-4, 3\]"):
-        dmd2(gan_blocks=(7,), **GAN).configure_model()
+    with pytest.raises(ValueError, match=r"gan\.blocks=\[7\]: the critic has 4 blocks, so each index lies in "
+                                         r"\[-4, 3\]"):
+        dmd2(gan=gan(blocks=(7,))).configure_model()
 
 
 def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
-    """``gan_reals: data``: the head's real samples are the batch's own clips encoded by the VAE (DMD2's real
+    """``gan.reals: data``: the head's real samples are the batch's own clips encoded by the VAE (DMD2's real
     images), the fake ones the student's, and no teacher sample is drawn for them; clips of another size than the
     run's, and data without clips, are refused by name at the first batch, before anything trains."""
-    module = dmd2(ratio=2, gan_reals="data", **GAN)
+    module = dmd2(ratio=2, gan=gan(reals="data"))
     clips, heads = [], []
     real_step = module.training_step
 
@@ -516,7 +520,7 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
         return real_noised(x, eps, sigma)
 
     def no_teacher_samples(prompts):
-        raise AssertionError("gan_reals: data drew teacher samples")
+        raise AssertionError("gan.reals: data drew teacher samples")
 
     module.training_step = training_step
     module.teacher_samples = no_teacher_samples
@@ -529,23 +533,23 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
         assert not torch.allclose(head[2:], clip, atol=1e-2)  # the fakes: the student's
     wrong = SyntheticVideos(num_samples=4, frames=SIZE.frames, height=2 * SIZE.height, width=SIZE.width, batch_size=2)
     with pytest.raises(ValueError, match=r"the batch's clips encode to latents \(2, 16, 2, 8, 4\), the student's"):
-        quick_trainer(max_steps=1).fit(dmd2(ratio=2, gan_reals="data", **GAN), wrong)
-    refused = dmd2(ratio=2, gan_reals="data", **GAN)
+        quick_trainer(max_steps=1).fit(dmd2(ratio=2, gan=gan(reals="data")), wrong)
+    refused = dmd2(ratio=2, gan=gan(reals="data"))
     refused.configure_model()
     before = weights(refused, "transformer")
-    with pytest.raises(ValueError, match=r"gan_reals: data reads the batch's clips .* the data gives prompts only"):
+    with pytest.raises(ValueError, match=r"gan\.reals: data reads the batch's clips .* the data gives prompts only"):
         quick_trainer(max_steps=1).fit(refused, prompts())
     assert differs(before, weights(refused, "transformer")) == 0
 
 
 def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the_decoder(monkeypatch):
-    """``gan_space: pixels``: the head is a patch discriminator, a submodule of the critic stepping with it, and reads
+    """``gan.space: pixels``: the head is a patch discriminator, a submodule of the critic stepping with it, and reads
     clips with their prompts (a projection on the prompt's tokens, averaged; the same clip scores otherwise under
     another prompt): in the critic's update the teacher's samples (real) and the student's (fake), both decoded by
     the VAE, not noised; its loss reaches the head and not the critic's transformer. The student's GAN loss reaches
     the student's weights through the decoder while every head parameter stops requiring grad, and not the critic's
     transformer, which the pixel head does not read."""
-    module = dmd2(ratio=2, gan_space="pixels", **GAN)
+    module = dmd2(ratio=2, gan=gan(space="pixels"))
     module.configure_model()
     head = list(module.gan_head.parameters())
     critic = [p for p in module.card.models["critic"].parameters() if all(p is not h for h in head)]
@@ -609,7 +613,7 @@ def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
     real_noised, real_gan, real_dmd = dmd2_module.noised, dmd2_module.gan_generator_loss, dmd2_module.dmd_generator_loss
 
     def logged(weight: float) -> tuple[float, float]:
-        module, found = dmd2(ratio=1, gan_generator_weight=weight, gan_critic_weight=1e-2), {}
+        module, found = dmd2(ratio=1, gan=gan(generator_weight=weight)), {}
 
         def noised(x, eps, sigma):
             if x.requires_grad and "x0" not in found:
@@ -649,16 +653,15 @@ def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path, space):
     it to iteration 8 ends bit for bit where the uninterrupted run ends — head, critic, student and both optimizers
     (the head's moments in the critic's). On pixels too, whose spectral norms keep their power-iteration vectors as
     buffers that every forward moves: they are in the checkpoint, so the resumed head goes on from them."""
-    gan = dict(GAN, gan_space=space)
-    straight, _ = run_to(tmp_path / "straight", 8, **gan)
-    first, _ = run_to(tmp_path / "resumed", 4, **gan)
+    straight, _ = run_to(tmp_path / "straight", 8, gan=gan(space=space))
+    first, _ = run_to(tmp_path / "resumed", 4, gan=gan(space=space))
     path = str(tmp_path / "resumed" / "ckpt" / "epoch=0-step=4.ckpt")
     saved = checkpoints.load(path)
     head_keys = [k for k in saved["state_dict"] if k.startswith("card.models.critic.gan_head.")]
     assert head_keys
     if space == "pixels":
         assert any(k.endswith("parametrizations.weight.0._u") for k in head_keys)
-    resumed, _ = run_to(tmp_path / "resumed", 8, ckpt_path=path, **gan)
+    resumed, _ = run_to(tmp_path / "resumed", 8, ckpt_path=path, gan=gan(space=space))
     for name in ("transformer", "critic"):
         a, b = weights(straight, name), weights(resumed, name)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{name} differs after resume"
@@ -673,17 +676,17 @@ def test_a_checkpoint_from_other_gan_settings_is_refused_by_name(tmp_path):
     """The GAN head is a module the settings add to the critic, outside the experts' configs the signature checks:
     a checkpoint written with the head on the last block, resumed with it on two blocks (a wider head) or without
     the GAN term, is refused before anything loads, naming the head's weights and the settings to match."""
-    run_to(tmp_path / "run", 2, **GAN)
+    run_to(tmp_path / "run", 2, gan=gan())
     path = str(tmp_path / "run" / "ckpt" / "epoch=0-step=2.ckpt")
     before = checkpoints.load(path)["state_dict"]
     refused = (r"(?s)checkpoint weights do not fit this run's modules \(\d+ differ\); nothing was loaded:"
-               r".*critic\.gan_head\.net\.0\.weight: checkpoint \(\d+,\) vs run.*gan_blocks")
+               r".*critic\.gan_head\.net\.0\.weight: checkpoint \(\d+,\) vs run.*gan\.blocks")
     with pytest.raises(ValueError, match=refused):
-        run_to(tmp_path / "wider", 4, ckpt_path=path, gan_blocks=(0, -1), **GAN)
+        run_to(tmp_path / "wider", 4, ckpt_path=path, gan=gan(blocks=(0, -1)))
     with pytest.raises(ValueError, match=r"gan_head\.net\.0\.bias: in the checkpoint, not in the run"):
         run_to(tmp_path / "off", 4, ckpt_path=path)
-    with pytest.raises(ValueError, match=r"(?s)critic\.gan_head\.net\..*gan_space"):
-        run_to(tmp_path / "pixels", 4, ckpt_path=path, gan_space="pixels", **GAN)
+    with pytest.raises(ValueError, match=r"(?s)critic\.gan_head\.net\..*gan\.space"):
+        run_to(tmp_path / "pixels", 4, ckpt_path=path, gan=gan(space="pixels"))
     after = checkpoints.load(path)["state_dict"]
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -694,7 +697,7 @@ def test_a_resume_keeps_the_runs_seed_whatever_the_launch_draws(tmp_path):
     are the ones it drew before — and ends bit for bit where the uninterrupted run ends."""
     import dataclasses
 
-    seeded = dict(run=dataclasses.replace(SIZE, seed=3), regression_weight=1.0, regression_pairs=2, ratio=1)
+    seeded = dict(run=dataclasses.replace(SIZE, seed=3), regression=RegressionArgs(weight=1.0, pairs=2), ratio=1)
     straight, _ = run_to(tmp_path / "straight", 6, **seeded)
     run_to(tmp_path / "resumed", 4, **seeded)
     path = str(tmp_path / "resumed" / "ckpt" / "epoch=0-step=4.ckpt")
@@ -713,7 +716,7 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     noise, the same in a fresh module (a resume recomputes them); pair 0 is the GAN's real sample. Trained 12
     iterations with the term (weight 10), the student's first step maps the pairs' noise closer to their samples
     than the same run without it (weight 0), which is the control: DMD alone never sees a pair."""
-    module = dmd2(ratio=1, regression_weight=1.0, regression_pairs=2)
+    module = dmd2(ratio=1, regression=RegressionArgs(weight=1.0, pairs=2))
     module.configure_model()
     prompt = prompts().prompt_list()[0]
     noise, sample = module.teacher_pairs([prompt, prompt], [0, 1])
@@ -722,12 +725,12 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     again = module.stage.sample(module.teacher_sampler, noise, cond, uncond, name="teacher").latents
     torch.testing.assert_close(again, sample)
     assert torch.equal(module.teacher_samples([prompt]), sample[:1])
-    fresh = dmd2(ratio=1, regression_weight=1.0, regression_pairs=2)
+    fresh = dmd2(ratio=1, regression=RegressionArgs(weight=1.0, pairs=2))
     fresh.configure_model()
     assert all(torch.equal(a, b) for a, b in zip(fresh.teacher_pairs([prompt, prompt], [0, 1]), (noise, sample)))
 
     def first_step_error(weight: float) -> float:
-        trained = dmd2(ratio=1, regression_weight=weight, regression_pairs=2)
+        trained = dmd2(ratio=1, regression=RegressionArgs(weight=weight, pairs=2))
         quick_trainer(max_steps=12).fit(trained, prompts())
         trained.eval()
         names = prompts().prompt_list()
@@ -741,18 +744,18 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
 
 
 def test_regression_until_ends_the_term_at_its_iteration():
-    """``regression_until: N`` (a regression warm-up, as DMD2's one-step student pre-trains on regression before
+    """``regression.until: N`` (a regression warm-up, as DMD2's one-step student pre-trains on regression before
     DMD): the student's loss draws teacher pairs on iterations 0…N-1 only; without it, on every student step."""
     steps = {}
     for until in (2, None):
-        module = dmd2(ratio=1, regression_weight=1.0, regression_pairs=1, regression_until=until)
+        module = dmd2(ratio=1, regression=RegressionArgs(weight=1.0, pairs=1, until=until))
         steps[until] = []
         module.teacher_pairs = lambda *a, m=module, real=module.teacher_pairs, key=until: (
             steps[key].append(m.global_step), real(*a))[1]
         quick_trainer(max_steps=4).fit(module, prompts())
     assert steps[2] == [0, 1] and steps[None] == [0, 1, 2, 3], steps
-    with pytest.raises(ValueError, match=r"regression_until=0 must be >= 1"):
-        dmd2(regression_until=0)
+    with pytest.raises(ValueError, match=r"regression\.until=0 must be >= 1"):
+        dmd2(regression=RegressionArgs(until=0))
 
 
 def chunked_regression_error(weight: float, regression_steps: str, step: Optional[int] = None) -> torch.Tensor:
@@ -762,7 +765,7 @@ def chunked_regression_error(weight: float, regression_steps: str, step: Optiona
     torch.manual_seed(0)
     trained = DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1),
                    generator_update_ratio=1, teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
-                   run=SIZE, regression_weight=weight, regression_pairs=1, regression_steps=regression_steps)
+                   run=SIZE, regression=RegressionArgs(weight=weight, pairs=1, steps=regression_steps))
     quick_trainer(max_steps=12).fit(trained, prompts())
     trained.eval()
     names = prompts().prompt_list()
@@ -786,7 +789,7 @@ def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pair
 
 
 def test_ode_regression_pulls_every_step_of_a_chunked_student_to_the_pairs():
-    """``regression_steps: every`` (CausVid's ODE regression): a random step of the list regresses from the pair's
+    """``regression.steps: every`` (CausVid's ODE regression): a random step of the list regresses from the pair's
     sample noised by its noise to that step's σ onto the sample. 12 iterations with it bring a later step's x̂0 (here
     step 2) and the first chunk's closer to the pairs than the same run without the term, and than DMD's
     first-step term at the same weight."""
@@ -861,8 +864,8 @@ def test_bad_settings_name_the_option():
         dmd2(distill_card(teacher=Expert(arch="wan_t2v", trainable=True, optimizer=adam(1e-3))))
     with pytest.raises(ValueError, match=r"'critic' \(the fake score\) has arch 'umt5'"):
         dmd2(distill_card(critic=Expert(arch="umt5", trainable=True, optimizer=adam(1e-3))))
-    with pytest.raises(ValueError, match=r"regression_steps='all' must be 'first' \(DMD's\) or 'every'"):
-        dmd2(regression_steps="all")
+    with pytest.raises(ValueError, match=r"regression\.steps='all' must be 'first' \(DMD's\) or 'every'"):
+        dmd2(regression=RegressionArgs(steps="all"))
     with pytest.raises(ValueError, match=r"exit_steps='first' must be 'random' \(DMD2's, a step drawn each "
                                          r"iteration\) or 'last' \(the served sample alone\)"):
         dmd2(exit_steps="first")
@@ -870,27 +873,28 @@ def test_bad_settings_name_the_option():
         dmd2(student_steps=0)
     with pytest.raises(ValueError, match=r"student_steps=2 but sampler.step_sigmas=\[1.0, 0.75, 0.5, 0.25\] lists 4"):
         dmd2(student_steps=2)
-    with pytest.raises(ValueError, match=r"gan_generator_weight=0.003 needs gan_critic_weight > 0"):
-        dmd2(gan_generator_weight=3e-3)
-    with pytest.raises(ValueError, match=r"gan_generator_weight=-1.0 and gan_critic_weight=0.0 must be >= 0"):
-        dmd2(gan_generator_weight=-1.0)
-    with pytest.raises(ValueError, match=r"gan_blocks=\[0, -1\] chooses the critic's blocks .* gan_critic_weight=0"):
-        dmd2(gan_blocks=(0, -1))
-    with pytest.raises(ValueError, match=r"gan_space='latent' must be 'critic' .* or 'pixels'"):
-        dmd2(gan_space="latent", **GAN)
-    with pytest.raises(ValueError, match=r"gan_space='pixels' chooses where the GAN head looks, but gan_critic_weight"):
-        dmd2(gan_space="pixels")
-    with pytest.raises(ValueError, match=r"gan_blocks=\[0\] .* but gan_space='pixels' reads the decoded clips"):
-        dmd2(gan_space="pixels", gan_blocks=(0,), **GAN)
-    with pytest.raises(ValueError, match=r"gan_reals='images' must be 'teacher' .* or 'data'"):
-        dmd2(gan_reals="images", **GAN)
-    with pytest.raises(ValueError, match=r"gan_reals='data' chooses the GAN head's real samples, but gan_critic"):
-        dmd2(gan_reals="data")
+    with pytest.raises(ValueError, match=r"gan\.generator_weight=0.003 needs gan\.critic_weight > 0"):
+        dmd2(gan=GANArgs(generator_weight=3e-3))
+    with pytest.raises(ValueError, match=r"gan\.generator_weight=-1.0 and gan\.critic_weight=0.0 must be >= 0"):
+        dmd2(gan=GANArgs(generator_weight=-1.0))
+    with pytest.raises(ValueError, match=r"gan\.blocks=\[0, -1\] chooses the critic's blocks .* gan\.critic_weight=0"):
+        dmd2(gan=GANArgs(blocks=(0, -1)))
+    with pytest.raises(ValueError, match=r"gan\.space='latent' must be 'critic' .* or 'pixels'"):
+        dmd2(gan=gan(space="latent"))
+    with pytest.raises(ValueError, match=r"gan\.space='pixels' chooses where the GAN head looks, but "
+                                         r"gan\.critic_weight"):
+        dmd2(gan=GANArgs(space="pixels"))
+    with pytest.raises(ValueError, match=r"gan\.blocks=\[0\] .* but gan\.space='pixels' reads the decoded clips"):
+        dmd2(gan=gan(space="pixels", blocks=(0,)))
+    with pytest.raises(ValueError, match=r"gan\.reals='images' must be 'teacher' .* or 'data'"):
+        dmd2(gan=gan(reals="images"))
+    with pytest.raises(ValueError, match=r"gan\.reals='data' chooses the GAN head's real samples, but gan\.critic"):
+        dmd2(gan=GANArgs(reals="data"))
     with pytest.raises(ValueError, match=r"backward_simulation=False .* sampler.chunk_frames=1"):
         DMD2(distill_card(student_arch="wan_t2v_causal"), student_sampler(chunk_frames=1), backward_simulation=False,
              run=SIZE)
-    with pytest.raises(ValueError, match=r"regression_weight=-1.0 must be >= 0 and regression_pairs=4"):
-        dmd2(regression_weight=-1.0)
+    with pytest.raises(ValueError, match=r"regression\.weight=-1.0 must be >= 0 and regression\.pairs=4"):
+        dmd2(regression=RegressionArgs(weight=-1.0))
     with pytest.raises(ValueError, match=r"ema_decay=1.5 must be in \(0, 1\) \(e.g. 0.99; null serves the student"):
         dmd2(ema_decay=1.5)
     with pytest.raises(ValueError, match=r"real_guidance_scale=0.5 must be >= 1 \(1 = the teacher's score unguided"):
@@ -989,7 +993,7 @@ def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_
                "critic": h.expert(3, init_from="teacher", optimizer=adam)}
 
     settings = dict(zero_stage=3, model="posttrain.lit.dmd2.DMD2", experts=experts, student_steps=2,
-                    generator_update_ratio=2, gan_space="pixels", gan_critic_weight=1e-2, gan_generator_weight=3e-3,
+                    generator_update_ratio=2, gan={"space": "pixels", "critic_weight": 1e-2, "generator_weight": 3e-3},
                     teacher_sampler={"class_path": "posttrain.modules.flow.samplers.FlowMatchSampler",
                                      "init_args": {"num_steps": 2}})
 
@@ -1014,21 +1018,17 @@ def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_
 
 # ---------------------------------------------------------------------- learning, against the pretrained world's teacher
 def distill_bench():
-    """bench/distill.py as a module: its ``bench_cli`` (a config's CLI, unrun, models built) and its measures."""
-    import importlib
-    import os
-    import sys
+    """bench/fewstep.py, the measures experiments/distill.py reports: its ``bench_cli`` (a config's CLI, unrun,
+    models built), ``samples`` and ``closeness``."""
+    from bench import fewstep
 
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    return importlib.import_module("distill")
+    return fewstep
 
 
 def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int = 16):
     """``config`` for ``steps`` iterations in this process; the student's samples of seen-concept prompts
     measured against the teacher's many-step CFG samples of the same prompts and noise before and after
-    (bench/distill.py's measure). Returns (module, before, after, student weights before)."""
+    (experiments/distill.py's measure). Returns (module, before, after, student weights before)."""
     from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 
     distill = distill_bench()
@@ -1053,13 +1053,13 @@ def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     σ flow-shifted by 3 as Self-Forcing warps Wan's) for 100 iterations: the 4-step student's samples of 16
     seen-concept prompts come closer to the teacher's samples of the same prompts and noise — Fréchet VAE distance
     and latent MSE fall, synthetic GenEval rises — than at the start, where the student is the teacher's weights run
-    with the same 4 steps (bench/distill.py --students measures the shipped settings on held-out prompts, 3 seeds).
-    On the 64 training captions the config had until stop 53: 100 iterations (20 student updates) draw each of 64
-    captions about six times; over the config's 256, one and a half times, they do not yet move these 16 prompts
-    (measured: Fréchet 0.60 -> 0.66, all four 0.69 -> 0.69)."""
+    with the same 4 steps (experiments/distill.py --students: the shipped settings on held-out prompts, 3 seeds).
+    The test trains on 64 synthetic captions (``num_synthetic: 64``): 100 iterations (20 student updates) draw each
+    of 64 captions about six times; over the config's 256, one and a half times, they do not yet move these 16
+    prompts (measured: Fréchet 0.60 -> 0.66, all four 0.69 -> 0.69)."""
     anchor = ["--data.init_args.num_synthetic", "64", "--model.init_args.generator_update_ratio", "5",
-              "--model.init_args.gan_generator_weight", "0", "--model.init_args.gan_critic_weight", "0",
-              "--model.init_args.regression_weight", "0",
+              "--model.init_args.gan.generator_weight", "0", "--model.init_args.gan.critic_weight", "0",
+              "--model.init_args.regression.weight", "0",
               "--model.init_args.sampler.init_args.scheduler.init_args.shift", "3.0",
               "--model.init_args.real_guidance_scale", "4.5", "--model.init_args.shift", "3.0"]
     _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 100, *anchor)
@@ -1073,8 +1073,8 @@ def test_the_one_step_student_comes_closer_to_the_teacher(tmp_path):
     samples (Fréchet VAE distance ~1.6 on these 16 prompts; colours and motion mostly wrong); the student comes much
     closer (Fréchet under half, latent MSE lower) and draws the asked colour and motion far more often (measured:
     Fréchet 1.64 -> 0.50, colour 0.31 -> 0.88, motion 0.44 -> 0.75 on the config's 256 training captions; 1.64 -> 0.33,
-    0.31 -> 0.81, 0.44 -> 0.88 on the 64 it had until stop 53; shapes stay blobs at this budget:
-    bench/distill.py --students 1). The control is the start itself: a zero student lr leaves the student
+    0.31 -> 0.81, 0.44 -> 0.88 on 64 training captions; shapes stay blobs at this budget:
+    experiments/distill.py --students 1). The control is the start itself: a zero student lr leaves the student
     bitwise (test_zero_student_lr_leaves_the_student_bitwise_while_the_critic_trains)."""
     _, before, after, _ = fit_and_measure("configs/dmd2.yaml", tmp_path, 150, "--model.init_args.student_steps", "1")
     assert after["frechet"] < 0.5 * before["frechet"] and after["latent_mse"] < before["latent_mse"], (before, after)
@@ -1082,7 +1082,7 @@ def test_the_one_step_student_comes_closer_to_the_teacher(tmp_path):
 
 
 def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path):
-    """The progressive recipe (README, docs/distill/dmd2.md): stage 1 fits configs/dmd2.yaml's 4-step student and
+    """The progressive recipe (docs/distill/dmd2.md): stage 1 fits configs/dmd2.yaml's 4-step student and
     `posttrain export --expert transformer --pipeline false` writes it; stage 2 runs the same config with
     `student_steps: 2` and the student `pretrained:` that folder, `init_from: null` (flags, so the card's other
     experts stay as the config has them). Stage 2's student starts bitwise where stage 1's ended, its critic starts
@@ -1093,8 +1093,8 @@ def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path)
 
     def cli(root: str, *args: str):
         return distill_bench().bench_cli("configs/dmd2.yaml", root, 2, "--data.init_args.num_synthetic", "4",
-                                         "--model.init_args.gan_critic_weight", "0",
-                                         "--model.init_args.gan_generator_weight", "0",
+                                         "--model.init_args.gan.critic_weight", "0",
+                                         "--model.init_args.gan.generator_weight", "0",
                                          "--model.init_args.run.height", "16", "--model.init_args.run.width", "16",
                                          *args)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import yaml
 
-from posttrain.callbacks.parity import C2Check, C2ViolationError
+from posttrain.callbacks.parity import LogProbParityCheck, LogProbParityError
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.lit.base import RunArgs
@@ -45,25 +45,25 @@ def eval_reward(model) -> float:
     return score(model.reward, model.generate(PROMPTS, seed=123), PROMPTS).total.mean().item()
 
 
-def test_flow_grpo_raises_the_colour_reward_with_c2_holding():
+def test_flow_grpo_raises_the_colour_reward_with_logprob_parity_holding():
     torch.manual_seed(0)
     model = make()
     model.configure_model()
     before = eval_reward(model)
     weights0 = {k: v.clone() for k, v in model.card["transformer"].state_dict().items()}
-    c2 = C2Check(every_n_iterations=5, tolerance=1e-5)
-    quick_trainer(40, callbacks=[c2]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    parity = LogProbParityCheck(every_n_iterations=5, tolerance=1e-5)
+    quick_trainer(40, callbacks=[parity]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
     after = eval_reward(model)
     metrics = model.trainer.callback_metrics
     # learning: the deterministic ODE samples' reward rises clearly (a broken sign lowers it)
     print(f"flow_grpo reward {before:.4f} -> {after:.4f}")
     assert after > before + 1e-2, (before, after)
     assert any(not torch.equal(weights0[k], v) for k, v in model.card["transformer"].state_dict().items())
-    # C2 at rollout weights (float32): checked on iterations 0, 5, ..., 35; PPO ratio stays near 1
-    assert c2.checks == 8 and c2.last_gap < 1e-5
+    # log-probability parity at rollout weights (float32): checked on iterations 0, 5, ..., 35; PPO ratio stays near 1
+    assert parity.checks == 8 and parity.last_gap < 1e-5
     assert abs(metrics["train/ppo_ratio_mean/transformer"].item() - 1) < 1e-2
     for name in ("train/reward", "train/reward_std", "train/clip_frac/transformer", "train/kl/transformer",
-                 "train/loss/transformer", "train/c2_max_abs_dlogp", "train/grad_norm/transformer"):
+                 "train/loss/transformer", "train/logprob_parity_gap", "train/grad_norm/transformer"):
         assert name in metrics, name
     assert_one_metric_scheme(metrics, model.card)
     # one version per iteration; the frozen reference and text encoder never move
@@ -106,16 +106,16 @@ def test_constant_reward_changes_nothing():
     assert model.trainer.callback_metrics["train/kept_samples/transformer"].item() == 0
 
 
-def test_c2_check_fails_loudly_when_recompute_uses_another_cfg_scale(monkeypatch):
+def test_parity_check_fails_loudly_when_recompute_uses_another_cfg_scale(monkeypatch):
     """Rollout at CFG 2, recompute at CFG 1: the check stops training before any update."""
-    real = Rollout.c2_gap
-    monkeypatch.setattr(Rollout, "c2_gap", lambda self, name=None: real(
+    real = Rollout.logprob_gap
+    monkeypatch.setattr(Rollout, "logprob_gap", lambda self, name=None: real(
         dataclasses.replace(self, sampler=FlowMatchSampler(num_steps=8, guidance_scale=1.0)), name))
     model = make(rollout_sampler=FlowMatchSampler(num_steps=8, guidance_scale=2.0))
     model.configure_model()
     weights0 = {k: v.clone() for k, v in model.card["transformer"].state_dict().items()}
-    with pytest.raises(C2ViolationError, match="C2 identity violated at iteration 0"):
-        quick_trainer(2, callbacks=[C2Check()]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    with pytest.raises(LogProbParityError, match="log-probability parity violated at iteration 0"):
+        quick_trainer(2, callbacks=[LogProbParityCheck()]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
     assert all(torch.equal(weights0[k], v) for k, v in model.card["transformer"].state_dict().items())
 
 
@@ -158,4 +158,4 @@ def test_config_parses(tmp_path):
     assert isinstance(cli.model, FlowGRPO) and isinstance(cli.model.reward, SyntheticGenEvalReward)
     assert cli.model.grpo.num_samples_per_prompt >= 2 and cli.model.sampler.num_steps <= 10
     assert cli.model.rollout_sampler is cli.model.sampler  # train ≡ serve unless a config says otherwise
-    assert any(isinstance(cb, C2Check) for cb in cli.trainer.callbacks)
+    assert any(isinstance(cb, LogProbParityCheck) for cb in cli.trainer.callbacks)

@@ -13,6 +13,7 @@ from posttrain.lit.joint_rl import JointRL
 from posttrain.lit.workflow_rl import WorkflowRL
 from posttrain.modules.models.cards import Expert, ModelCard
 from posttrain.modules.rl.grpo import GRPOArgs, train_rows
+from posttrain.modules.rl.refiner_args import RefinerArgs
 from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rewards.base import RewardOutput
 from posttrain.modules.flow.samplers import FlowMatchSampler
@@ -94,8 +95,8 @@ def flow_grpo():
 def joint_rl():
     card = wan_card(num_refiners=1, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-3)))
     # append: the request stays in the served prompt, so RedOnly's split into a signal group and an A = 0 group holds
-    return JointRL(card, FlowMatchSampler(num_steps=2), reward=RedOnly(), grpo=GRPO, num_skip_refinement=0,
-                   max_new_tokens=2, mode="append", run=SMALL), 4
+    return JointRL(card, FlowMatchSampler(num_steps=2), reward=RedOnly(), grpo=GRPO,
+                   refiners=RefinerArgs(num_unrefined=0, max_new_tokens=2, mode="append"), run=SMALL), 4
 
 
 def workflow_rl():

@@ -20,6 +20,7 @@ from posttrain.lit.joint_rl import JointRL
 from posttrain.lit.base import RunArgs
 from posttrain.modules.models.cards import Expert, ModelCard
 from posttrain.modules.rl.grpo import GRPOArgs
+from posttrain.modules.rl.refiner_args import RefinerArgs
 from posttrain.modules.models.refiners import target_probability
 from posttrain.datamodules.requests import Requests
 from posttrain.modules.rewards.intent import IntentReward
@@ -29,7 +30,7 @@ from posttrain.modules.flow.samplers import FlowMatchSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = "xqz#"
-SMALL = dict(run=RunArgs(frames=5, height=16, width=16), max_new_tokens=8, mode="append")  # random LMs: keywords appended
+SMALL = dict(max_new_tokens=8, mode="append")  # random LMs: keywords appended
 
 
 def joint_card(n: int, joint: bool = True, lm_lr: float = 2e-2, generator_lr: float = 1e-3) -> ModelCard:
@@ -48,12 +49,14 @@ def keyword_reward(n: int, targets: str = TARGETS, colour_weight: float = 1.0) -
                           weights={"colour": colour_weight, "keyword": 1.0})
 
 
-def method(n: int, credit: str = "per_expert", joint: bool = True, reward=None, grpo=None, **kwargs) -> JointRL:
+def method(n: int, credit: str = "per_expert", joint: bool = True, reward=None, grpo=None, refiners=None,
+           **kwargs) -> JointRL:
     seed_everything(0)
-    options = {**SMALL, "num_skip_refinement": 1, **kwargs}
     grpo = GRPOArgs(**{"num_samples_per_prompt": 4, "timestep_fraction": 1.0, **(grpo or {})})
+    refiners = RefinerArgs(**{**SMALL, "num_unrefined": 1, **(refiners or {})})
     return JointRL(joint_card(n, joint), FlowMatchSampler(num_steps=3), reward=reward or keyword_reward(n),
-                   grpo=grpo, credit=credit, joint=joint, **options)
+                   grpo=grpo, refiners=refiners, credit=credit, joint=joint,
+                   run=RunArgs(frames=5, height=16, width=16), **kwargs)
 
 
 class Record(Callback):
@@ -210,8 +213,8 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert not torch.equal(a["models.refiner_0.lm_head.weight"], b["models.refiner_0_reference.lm_head.weight"])
 
 
-def test_c2_probe_covers_generator_and_refiners():
-    """The probe C2Check calls: ~0 at rollout weights; after a refiner's weights move, it is not."""
+def test_parity_probe_covers_generator_and_refiners():
+    """The probe LogProbParityCheck calls: ~0 at rollout weights; after a refiner's weights move, it is not."""
     m = method(1, credit="shared", reward=ColourAlignment())
     gaps = []
 
@@ -230,9 +233,9 @@ def test_c2_probe_covers_generator_and_refiners():
 
 def test_bad_input_is_rejected_with_clear_messages():
     with pytest.raises(ValueError, match=r"num_samples_per_prompt=1 must be >= 2"):
-        method(1, credit="shared", grpo=dict(num_samples_per_prompt=1), num_skip_refinement=0)
-    with pytest.raises(ValueError, match=r"num_skip_refinement=4 must be in \[0, grpo.num_samples_per_prompt=4\)"):
-        method(1, credit="shared", num_skip_refinement=4)
+        method(1, credit="shared", grpo=dict(num_samples_per_prompt=1), refiners=dict(num_unrefined=0))
+    with pytest.raises(ValueError, match=r"refiners\.num_unrefined=4 must be in \[0, grpo.num_samples_per_prompt=4\)"):
+        method(1, credit="shared", refiners=dict(num_unrefined=4))
     # a reward without a term for refiner_2: named, with the terms it does have
     with pytest.raises(ValueError, match=r"needs a reward term for 'refiner_2', but the reward's terms are "
                                          r"\['colour', 'colour/distance', 'keyword', 'keyword/refiner_0', "
@@ -256,14 +259,38 @@ def test_bad_input_is_rejected_with_clear_messages():
         method(1, credit="shared").training_step({"prompt": [], "index": [], "group": []}, 0)
 
 
-@pytest.mark.parametrize("name,n,credit", [("joint_rl", 3, "per_expert"), ("unified_rl", 1, "shared"),
-                                           ("prompt_rl", 1, "shared"), ("generator_rl", 1, "shared"),
-                                           ("unified_rl_requests", 1, "shared"), ("joint_rl_requests", 3, "per_expert")])
-def test_configs_parse(name, n, credit):
-    cli = PosttrainCLI(args=["--config", os.path.join(ROOT, "configs", f"{name}.yaml")], run=False)
+def test_refiner_settings_name_every_problem_under_refiners():
+    """``RefinerArgs.problems``: every bad refiner setting at once, each named ``refiners.<option>`` with its value;
+    JointRL collects them into its one start-up message."""
+    bad = RefinerArgs(mode="prepend", concerns=["shape", "shape"], max_new_tokens=0, temperature=0.0,
+                      template=["{prompt}"], kl_beta=-1.0, num_unrefined=4)
+    problems = bad.problems(["refiner_0", "refiner_1", "refiner_2"], num_samples_per_prompt=4)
+    assert [p.split("=")[0].split(" ")[0] for p in problems] == [
+        "refiners.num_unrefined", "refiners.mode", "refiners.concerns", "refiners.max_new_tokens",
+        "refiners.temperature", "refiners.template", "refiners.kl_beta"], problems
+    assert "refiners.concerns=['shape', 'shape'] must give each of the 3 refiners its own concern" in problems[2]
+    assert RefinerArgs(template="no slot").problems(["refiner_0"], 4) == [
+        "refiners.template='no slot' must contain '{prompt}'"]
+    # the reward must score each refiner on the concern it writes
+    mismatch = RefinerArgs(concerns=["shape", "motion"]).problems(["refiner_0", "refiner_1"], 4,
+                                                                  {"refiner_0": "motion", "refiner_1": "shape"})
+    assert len(mismatch) == 1 and mismatch[0].startswith("the reward's concerns")
+    assert RefinerArgs().problems(["refiner_0"], 4) == []
+    with pytest.raises(ValueError, match=r"(?s)joint_rl:.*refiners\.temperature=0.0 must be > 0.*refiners\.kl_beta"):
+        method(1, credit="shared", reward=ColourAlignment(), refiners=dict(temperature=0.0, kl_beta=-1.0))
+
+
+@pytest.mark.parametrize("path,n,credit", [("configs/joint_rl.yaml", 3, "per_expert"),
+                                           ("configs/unified_rl.yaml", 1, "shared"),
+                                           ("configs/prompt_rl.yaml", 1, "shared"),
+                                           ("configs/generator_rl.yaml", 1, "shared"),
+                                           ("tests/configs/joint_rl_keywords.yaml", 3, "per_expert")])
+def test_configs_parse(path, n, credit):
+    cli = PosttrainCLI(args=["--config", os.path.join(ROOT, path)], run=False)
     assert isinstance(cli.model, JointRL)
     assert cli.model.card.refiners == [f"refiner_{i}" for i in range(n)]
     assert cli.model.credit == credit
+    name = os.path.splitext(os.path.basename(path))[0]
     assert cli.trainer.checkpoint_callback.dirpath.endswith(os.path.join("runs", name, "checkpoints"))
 
 
@@ -314,8 +341,8 @@ def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concer
 
     n = 3 if concerns else 1
     reward = FactsSeen(concerns=dict(zip([f"refiner_{i}" for i in range(n)], concerns)) if concerns else None)
-    m = method(n, credit="per_expert" if concerns else "shared", reward=reward, mode=mode, concerns=concerns,
-               max_new_tokens=6, table_every_n_iterations=1)
+    m = method(n, credit="per_expert" if concerns else "shared", reward=reward,
+               refiners=dict(mode=mode, concerns=concerns, max_new_tokens=6), table_every_n_iterations=1)
     seen: list[tuple[list[str], torch.Tensor]] = []
     conditioning = m.stage.conditioning
 
@@ -365,7 +392,7 @@ def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concer
 def test_rewrite_and_append_modes_both_train(mode):
     """In either mode the refiner learns its keyword (first-token probability ~1/96 -> > 0.3 in 40 iterations)
     while the generator, served the rewrites or the request with them appended, takes its PPO steps (ratio 1)."""
-    m = method(1, credit="shared", reward=keyword_reward(1), mode=mode)
+    m = method(1, credit="shared", reward=keyword_reward(1), refiners=dict(mode=mode))
     m.configure_model()
     p0 = first_token_probability(m, PROMPTS)["refiner_0"]
     generator0 = {k: v.clone() for k, v in m.card["transformer"].state_dict().items()}
@@ -413,7 +440,7 @@ def caption_margin(m: JointRL, colour_slot_requests: list[tuple[str, str, str]])
         context, context_mask = encode_contexts(tokenizer, [request] * 2, m.templates["refiner_0"], vocab.pad_id)
         sample = Refinements([right, near], tokens, mask, torch.zeros(2, length), context, context_mask, vocab)
         with torch.no_grad():
-            lp = completion_log_probs(lm, sample, m.temperature).sum(1)
+            lp = completion_log_probs(lm, sample, m.refiner_args.temperature).sum(1)
         margins.append(float(lp[0] - lp[1]))
     return sum(margins) / len(margins)
 

@@ -1,5 +1,5 @@
 """Kill anywhere, resume, end bitwise equal: the real ``posttrain fit`` command on shrunken copies of
-configs/finetune.yaml, configs/joint_rl.yaml (N=3) and configs/finetune_zero.yaml (2 processes, ZeRO-2).
+configs/finetune.yaml, tests/configs/joint_rl_keywords.yaml (N=3) and configs/finetune_zero.yaml (2 processes, ZeRO-2).
 
 Each config runs once uninterrupted and once as a chain of attempts: every attempt but the last is killed (the
 whole job, SIGKILL) at one moment drawn from a seeded RNG — inside a checkpoint write, right after an epoch's last
@@ -31,7 +31,8 @@ def finetune(cfg: dict) -> None:
 
 
 def joint_rl(cfg: dict) -> None:
-    cfg["model"]["init_args"].update(max_new_tokens=3, table_every_n_iterations=4, run=dict(FINETUNE))
+    cfg["model"]["init_args"].update(table_every_n_iterations=4, run=dict(FINETUNE))
+    cfg["model"]["init_args"]["refiners"]["max_new_tokens"] = 3
     cfg["model"]["init_args"]["grpo"]["num_samples_per_prompt"] = 2
     cfg["model"]["init_args"]["sampler"]["init_args"]["num_steps"] = 3
     cfg["data"]["init_args"].update(num_synthetic=6, batch_size=2)
@@ -43,16 +44,16 @@ def zero(cfg: dict) -> None:
 
 
 CONFIGS = {
-    "finetune": ("finetune.yaml", 10, 2, 3, finetune),
-    "joint_rl": ("joint_rl.yaml", 8, 2, 3, joint_rl),
-    "zero": ("finetune_zero.yaml", 8, 2, 3, zero),
+    "finetune": ("configs/finetune.yaml", 10, 2, 3, finetune),
+    "joint_rl": ("tests/configs/joint_rl_keywords.yaml", 8, 2, 3, joint_rl),
+    "zero": ("configs/finetune_zero.yaml", 8, 2, 3, zero),
 }
 WRITE_PHASES = ["start", "bytes", "state", "manifest", "committed", "linked"]
 ZERO_PHASES = ["shards", "torn"]
 
 
 def write_config(root: str, name: str, config: str, steps: int, every: int, shrink, moment: str | None) -> str:
-    with open(os.path.join(hk.ROOT, "configs", config)) as f:
+    with open(os.path.join(hk.ROOT, config)) as f:
         cfg = yaml.safe_load(f)
     shrink(cfg)
     trainer = cfg["trainer"]
@@ -60,7 +61,7 @@ def write_config(root: str, name: str, config: str, steps: int, every: int, shri
                    num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
     trainer["default_root_dir"] = os.path.join(root, name)
     callbacks = [c for c in trainer["callbacks"] if not c["class_path"].endswith("ModelCheckpoint")]
-    for c in callbacks:  # samples, C2 checks: every other iteration, so resumes cross them too
+    for c in callbacks:  # samples, log-probability parity checks: every other iteration, so resumes cross them too
         if "every_n_iterations" in c.get("init_args", {}):
             c["init_args"]["every_n_iterations"] = 4
     callbacks.append({"class_path": "posttrain.callbacks.checkpoints.ModelCheckpoint",

@@ -1,10 +1,11 @@
-"""The C2 identity through the rollout object, and C2Check's hook, options and failure modes."""
+"""Log-probability parity through the rollout object (recomputed log p == captured at the rollout's weights), and
+LogProbParityCheck's hook, options and failure modes."""
 import dataclasses
 
 import pytest
 import torch
 
-from posttrain.callbacks.parity import C2Check, C2ViolationError
+from posttrain.callbacks.parity import LogProbParityCheck, LogProbParityError
 from posttrain.modules.models.generators import GeneratorStage, VideoSize
 from posttrain.modules.rl.rollout import Rollout, mean_metrics
 from posttrain.modules.flow.samplers import FlowMatchSampler
@@ -22,23 +23,23 @@ def rolled() -> Rollout:
                           torch.Generator().manual_seed(0))
 
 
-def test_c2_identity_at_rollout_weights(rolled):
+def test_logprob_parity_at_rollout_weights(rolled):
     traj = rolled.traj
     assert traj.log_probs.shape == (4, 2) and traj.xs.shape[:2] == (5, 2)
-    assert rolled.c2_gap() < 1e-5
+    assert rolled.logprob_gap() < 1e-5
     # a different CFG scale at recompute is a different policy: the gap is large
     other = dataclasses.replace(rolled, sampler=FlowMatchSampler(num_steps=4, guidance_scale=1.0))
-    assert other.c2_gap() > 1e-3
+    assert other.logprob_gap() > 1e-3
     torch.testing.assert_close(rolled.recompute_log_probs(), traj.log_probs, atol=1e-5, rtol=0)
 
 
 def test_selected_rows_recompute_their_own_log_probs(rolled):
-    """``select`` keeps the rows it names, in its order: their conditioning, stored log p and latents; the C2
-    identity holds on the selection, and a selection of a selection names the original rows."""
+    """``select`` keeps the rows it names, in its order: their conditioning, stored log p and latents; log-probability
+    parity holds on the selection, and a selection of a selection names the original rows."""
     swapped = rolled.select(torch.tensor([1, 0]))
     assert torch.equal(swapped.latents, rolled.latents.flip(0))
     torch.testing.assert_close(swapped.recompute_log_probs(), rolled.traj.log_probs.flip(1), atol=1e-5, rtol=0)
-    assert swapped.c2_gap() < 1e-5
+    assert swapped.logprob_gap() < 1e-5
     again = swapped.select(torch.tensor([0]))
     assert again.rows.tolist() == [1] and torch.equal(again.cond["encoder_hidden_states"],
                                                       rolled.cond["encoder_hidden_states"][1:])
@@ -107,22 +108,23 @@ class FakeModule:
         self.logged[name] = value
 
 
-def test_c2_check_logs_passes_and_raises():
-    check, module = C2Check(tolerance=1e-5), FakeModule()
+def test_parity_check_logs_passes_and_raises():
+    check, module = LogProbParityCheck(tolerance=1e-5), FakeModule()
     check.on_train_batch_start(FakeTrainer(), module, None, 0)
     check.on_rollout_captured(FakeTrainer(), module, lambda: torch.tensor(3e-7))
-    assert module.logged["train/c2_max_abs_dlogp"] == pytest.approx(3e-7) and check.checks == 1
+    assert module.logged["train/logprob_parity_gap"] == pytest.approx(3e-7) and check.checks == 1
     check.on_train_batch_end(FakeTrainer(), module, None, None, 0)
-    with pytest.raises(C2ViolationError, match=r"C2 identity violated at iteration 0: .* = 0.5 > tolerance 1e-05"):
+    with pytest.raises(LogProbParityError,
+                       match=r"log-probability parity violated at iteration 0: .* = 0.5 > tolerance 1e-05"):
         check.on_rollout_captured(FakeTrainer(), module, lambda: torch.tensor(0.5))
-    with pytest.raises(C2ViolationError):
+    with pytest.raises(LogProbParityError):
         check.on_rollout_captured(FakeTrainer(), module, lambda: torch.tensor(float("nan")))
-    with pytest.warns(UserWarning, match="C2 identity violated"):
-        C2Check(on_violation="warn").on_rollout_captured(FakeTrainer(), module, lambda: torch.tensor(0.5))
+    with pytest.warns(UserWarning, match="log-probability parity violated"):
+        LogProbParityCheck(on_violation="warn").on_rollout_captured(FakeTrainer(), module, lambda: torch.tensor(0.5))
 
 
-def test_c2_check_every_n_and_methods_without_rollouts():
-    check, module = C2Check(every_n_iterations=2), FakeModule()
+def test_parity_check_every_n_and_methods_without_rollouts():
+    check, module = LogProbParityCheck(every_n_iterations=2), FakeModule()
     trainer = FakeTrainer()
     trainer.global_step = 1
     probed = []
@@ -132,4 +134,26 @@ def test_c2_check_every_n_and_methods_without_rollouts():
     with pytest.raises(RuntimeError, match="reported no rollout"):
         check.on_train_batch_end(trainer, module, None, None, 0)
     with pytest.raises(ValueError, match="every_n_iterations=0"):
-        C2Check(every_n_iterations=0)
+        LogProbParityCheck(every_n_iterations=0)
+
+
+def test_the_former_name_c2check_still_resolves_to_the_parity_check(tmp_path):
+    """Configs written before the rename name ``C2Check`` (short, or by its full path): both still build the parity
+    check, with their options."""
+    import os
+
+    import yaml
+
+    from posttrain.callbacks import parity
+    from posttrain.lit.tools.config import PosttrainCLI
+
+    assert issubclass(parity.C2Check, LogProbParityCheck) and parity.C2ViolationError is LogProbParityError
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    old = tmp_path / "old_names.yaml"
+    old.write_text(yaml.safe_dump({"trainer": {"logger": False, "callbacks": [
+        {"class_path": "C2Check", "init_args": {"every_n_iterations": 3}},
+        {"class_path": "posttrain.callbacks.parity.C2Check", "init_args": {"tolerance": 1e-3}}]}}))
+    cli = PosttrainCLI(args=["--config", os.path.join(root, "configs", "flow_grpo.yaml"), "--config", str(old)],
+                       run=False)
+    checks = [c for c in cli.trainer.callbacks if isinstance(c, LogProbParityCheck)]
+    assert [(c.every, c.tolerance) for c in checks] == [(3, 1e-5), (1, 1e-3)]

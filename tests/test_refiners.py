@@ -155,7 +155,7 @@ def test_eos_ends_a_completion_and_padding_is_masked(lm):
 
 
 def test_recomputed_log_probs_equal_captured_padded_or_not(lm):
-    """The LM's C2 identity: one forward over context + completion reproduces the sampling log-probs,
+    """The LM's log-probability parity: one forward over context + completion reproduces the sampling log-probs,
     and left padding changes nothing (each row recomputed alone, unpadded)."""
     model, tok = lm
     r = sample_refinements(model, tok, PROMPTS, torch.Generator().manual_seed(3), max_new_tokens=8)
@@ -201,13 +201,13 @@ def test_target_probability_matches_first_token_policy(lm):
     assert abs(share - p_ascii) < 4 * math.sqrt(p_ascii * (1 - p_ascii) / 400)
 
 
-def test_refiner_loss_and_c2_gap_as_joint_and_workflow_rl_use_them():
+def test_refiner_loss_and_logprob_gap_as_joint_and_workflow_rl_use_them():
     """``refiner_loss`` against a reference with the same weights: the k3 KL is 0, so the loss is the batch mean
     of the token policy gradient, -mean(A) = -(1 + 1 - 1)/3 when every row has tokens, and its gradient raises
-    the log p of the rows with A > 0 (as ``token_pg_loss`` alone). ``refiner_c2_gap`` is ~0 at the sampling
+    the log p of the rows with A > 0 (as ``token_pg_loss`` alone). ``refiner_logprob_gap`` is ~0 at the sampling
     weights, and not once the weights have moved."""
     from posttrain.modules.models.cards import Expert, ModelCard
-    from posttrain.modules.models.refiners import refiner_c2_gap, refiner_loss
+    from posttrain.modules.models.refiners import refiner_logprob_gap, refiner_loss
 
     torch.manual_seed(0)
     card = ModelCard(experts={}, num_refiners=1,
@@ -216,7 +216,7 @@ def test_refiner_loss_and_c2_gap_as_joint_and_workflow_rl_use_them():
     reference = card.add_role("reference", of="refiner_0")
     model, tok = card["refiner_0"], card.tokenizers["refiner_0"]
     r = sample_refinements(model, tok, PROMPTS, torch.Generator().manual_seed(4), max_new_tokens=8)
-    assert refiner_c2_gap(model, r, 1.0) < 1e-5
+    assert refiner_logprob_gap(model, r, 1.0) < 1e-5
     loss, metrics = refiner_loss(card, "refiner_0", reference, r, torch.tensor([1.0, 1.0, -1.0]), 1.0, 0.01)
     assert r.mask.any(dim=1).all() and loss.item() == pytest.approx(-1 / 3, abs=1e-6)
     assert metrics["kl"].item() < 1e-6 and metrics["tokens"].item() > 0
@@ -227,5 +227,5 @@ def test_refiner_loss_and_c2_gap_as_joint_and_workflow_rl_use_them():
     after = completion_log_probs(model, r).detach()
     gain = ((after - r.log_probs) * r.mask).sum(1)
     assert gain[0] > 0 and gain[1] > 0 and gain[2] < 0
-    assert refiner_c2_gap(model, r, 1.0) > 1e-3
-    assert refiner_c2_gap(card[reference], r, 1.0) < 1e-5  # the frozen reference did not move
+    assert refiner_logprob_gap(model, r, 1.0) > 1e-3
+    assert refiner_logprob_gap(card[reference], r, 1.0) < 1e-5  # the frozen reference did not move

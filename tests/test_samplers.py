@@ -1,4 +1,4 @@
-"""The one sampler: σ schedules, the Flow-GRPO SDE step and its log-probability, the C2 identity."""
+"""The one sampler: σ schedules, the Flow-GRPO SDE step and its log-probability, log-probability parity."""
 from __future__ import annotations
 
 import math
@@ -158,7 +158,7 @@ def wan():
     return build_model("wan_t2v").eval()
 
 
-def test_c2_identity_recompute_equals_stored(wan):
+def test_logprob_parity_recompute_equals_stored(wan):
     """Recomputing every SDE step's log p of a captured rollout under unchanged weights gives the stored
     value (PPO ratio 1); a different guidance scale at recompute breaks it."""
     sampler = FlowMatchSampler(num_steps=4, guidance_scale=1.0)

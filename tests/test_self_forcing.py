@@ -154,8 +154,8 @@ def test_rolling_cache_settings_name_the_option():
 def test_the_chunked_student_comes_closer_to_the_teacher(tmp_path):
     """configs/self_forcing.yaml for 100 iterations: the causal student starts from the bidirectional teacher's
     weights, which run chunk by chunk with the KV cache draw far from the teacher's 20-step CFG samples (Fréchet
-    VAE distance 2.1, GenEval all 0.34 on bench/distill.py's 32 prompts); training on its own rollouts brings both
-    closer (bench/distill.py: 0.69 and 0.69 after 200 iterations)."""
+    VAE distance 2.1, GenEval all 0.34 on experiments/distill.py's 32 prompts); training on its own rollouts brings both
+    closer (experiments/distill.py: 0.69 and 0.69 after 200 iterations)."""
     _, before, after, _ = fit_and_measure("configs/self_forcing.yaml", tmp_path, 100)
     assert after["frechet"] < 0.6 * before["frechet"], (before, after)
     assert after["all"] > before["all"] + 0.1, (before, after)
@@ -196,7 +196,7 @@ def test_late_chunks_continue_the_earlier_ones_through_the_kv_cache_and_not_with
     earlier chunk) every latent frame is its own draw from the prompt and the step is 0.28. The late windows' scores
     are reported, not asserted: before training the chunked teacher keeps its background in 0.56 of them through the
     cache, while each chunk alone is a clean first frame of the prompt (1.0) that moves nowhere (motion 0.19; 0.22
-    cached) — what Self-Forcing's training has to join (bench/distill.py --per-chunk has the trained student's
+    cached) — what Self-Forcing's training has to join (experiments/distill.py --per-chunk has the trained student's
     per-window scores)."""
     module = long_world_student()
     module.configure_model()

@@ -279,11 +279,11 @@ def _with(path: str, **sections) -> str:
     return path
 
 
-def test_flow_grpo_under_two_way_sequence_parallelism_keeps_its_log_probs_and_c2(tmp_path):
+def test_flow_grpo_under_two_way_sequence_parallelism_keeps_its_log_probs_and_their_parity(tmp_path):
     """flow_grpo, 2 iterations of K = 2 SDE rollouts of one prompt, on one process and under SP = 2: both processes
     of the group roll out the same samples; every rollout's per-step log p equals one process's (to 1e-5: the
-    forward is the one-process forward, the weights of iteration 1 differ by the update's float error), its C2 gap
-    stays at float error (<= 1e-5, as C2Check's tolerance) on every process, and the weights follow (5e-5)."""
+    forward is the one-process forward, the weights of iteration 1 differ by the update's float error), its log-probability gap
+    stays at float error (<= 1e-5, as LogProbParityCheck's tolerance) on every process, and the weights follow (5e-5)."""
     import helpers_strategy as h
 
     grpo = {"num_samples_per_prompt": 2, "timestep_fraction": 1.0, "clip_range": 0.2, "kl_beta": 0.0}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.callbacks.checkpoints import ModelCheckpoint
-from posttrain.callbacks.parity import C2Check
+from posttrain.callbacks.parity import LogProbParityCheck
 from posttrain.datamodules.prompts import Prompts
 from posttrain.modules.io import checkpoints
 from posttrain.lit.workflow_rl import WorkflowRL
@@ -65,7 +65,7 @@ def served_rewards(model: WorkflowRL, terms: tuple[str, ...]) -> dict[str, float
     return {"total": out.total.mean().item(), **{k: out.terms[k].mean().item() for k in terms}}
 
 
-def test_per_stage_credit_raises_every_stage_term_with_c2_holding():
+def test_per_stage_credit_raises_every_stage_term_with_logprob_parity_holding():
     """30 iterations from random generators of the world's sizes: the final reward rises, and so does each
     stage's own term — the image's colour (credited to FLUX) and the video's (credited to the I2V).
     Measured: image 0.707 -> 0.772, video 0.703 -> 0.749."""
@@ -73,8 +73,8 @@ def test_per_stage_credit_raises_every_stage_term_with_c2_holding():
     model = make(reward=colour_terms(), credits=("image", "video"))
     model.configure_model()
     before = served_rewards(model, ("image", "video"))
-    c2 = C2Check(every_n_iterations=5, tolerance=1e-5)
-    quick_trainer(30, callbacks=[c2]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    parity = LogProbParityCheck(every_n_iterations=5, tolerance=1e-5)
+    quick_trainer(30, callbacks=[parity]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
     after = served_rewards(model, ("image", "video"))
     print(f"workflow_rl per-stage credit: {before} -> {after}")
     assert after["total"] > before["total"] + 2e-2
@@ -84,7 +84,7 @@ def test_per_stage_credit_raises_every_stage_term_with_c2_holding():
     assert versions["t2i_transformer"] == 30 and versions["i2v_transformer"] == 30
     assert versions["t2i_transformer_reference"] == versions["i2v_transformer_reference"] == 0
     assert versions["t2i_text_encoder_2"] == versions["i2v_vae"] == 0
-    assert c2.checks == 6 and c2.last_gap < 1e-5  # both stages' log p recomputed at the rollout's weights
+    assert parity.checks == 6 and parity.last_gap < 1e-5  # both stages' log p recomputed at the rollout's weights
     metrics = model.trainer.callback_metrics
     for name in ("train/reward/image", "train/reward/video", "train/time/t2i/rollout", "train/time/i2v/update",
                  "train/grad_norm/t2i_transformer", "train/grad_norm/i2v_transformer",
@@ -162,11 +162,11 @@ def test_refiners_can_be_the_first_stage():
               Stage("t2i", sampler=FlowMatchSampler(num_steps=2), frames=1, height=16, width=16),
               Stage("i2v", sampler=FlowMatchSampler(num_steps=2), frames=5, height=16, width=16)]
     model = WorkflowRL(card, stages, reward=reward(), grpo=GRPOArgs(num_samples_per_prompt=2, timestep_fraction=1.0))
-    c2 = C2Check(every_n_iterations=1, tolerance=1e-5)
-    quick_trainer(2, callbacks=[c2]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    parity = LogProbParityCheck(every_n_iterations=1, tolerance=1e-5)
+    quick_trainer(2, callbacks=[parity]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
     versions = model.card.versions
     assert versions["refiner_0"] == versions["t2i_transformer"] == versions["i2v_transformer"] == 2
-    assert versions["refiner_0_reference"] == 0 and c2.checks == 2 and c2.last_gap < 1e-5
+    assert versions["refiner_0_reference"] == 0 and parity.checks == 2 and parity.last_gap < 1e-5
     assert "train/loss/refiner_0" in model.trainer.callback_metrics
 
 

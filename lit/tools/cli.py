@@ -11,7 +11,8 @@
 
 What a config means beyond LightningCLI (run folder, video size, W&B runs, ``--preset tiny``) is in
 ``lit/tools/config.py``; this file adds:
-- the tools beside LightningCLI's subcommands, listed in ``--help``;
+- the tools beside LightningCLI's subcommands, listed in ``--help``, which opens with what posttrain does
+  (``DESCRIPTION``);
 - a console that says what matters: one progress bar in iterations (``max_steps``) with loss, reward and
   learning rates; one summary row per expert; no avoidable warnings;
 - errors as one short message that names the option and the fix (``POSTTRAIN_DEBUG=1`` shows the
@@ -30,7 +31,7 @@ import time
 import warnings
 from typing import Optional
 
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
 from posttrain.lit.tools import estimate as estimate_tool
 from posttrain.lit.tools import export as export_tool
@@ -41,10 +42,37 @@ from posttrain.lit.tools.config import PosttrainCLI
 
 SUBCOMMANDS = ("fit", "validate", "predict")
 TOOLS = ("export", "estimate", "preprocess", "reward", "serve-reward")
+DESCRIPTION = """\
+posttrain post-trains video and image generators, and the prompt-refiner language models around them:
+finetuning and LoRA, few-step distillation (DMD2, Self-Forcing) and reinforcement learning (Flow-GRPO,
+DiffusionNFT, joint RL of refiners and a generator). A run is one YAML file; configs/ holds one per method.
+
+  fit           train: posttrain fit --config configs/finetune.yaml (resume: --ckpt_path last)
+  validate      run a config's validation (a trained run's with --ckpt_path)
+  predict       generate with a trained run: posttrain predict --config C --ckpt_path last
+  export        write a checkpoint as a diffusers pipeline folder (or one expert's weights)
+  estimate      memory per process of a config's experts, before any run
+  preprocess    encode a config's data once: VAE latents and frozen text-encoder rows
+  reward        score a config's data with its reward, before training on it
+  serve-reward  serve a reward over HTTP for RemoteReward
+
+`posttrain <command> --help` lists a command's options."""
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the description printed as written (its table kept)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
 class CommandLine(PosttrainCLI):
-    """``PosttrainCLI`` whose ``--help`` also lists the tools (``main`` runs them before LightningCLI is built)."""
+    """``PosttrainCLI`` whose ``--help`` says what posttrain does and lists the tools too (``main`` runs them before
+    LightningCLI is built)."""
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        self.parser.description, self.parser.formatter_class = DESCRIPTION, HelpFormatter
 
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -153,12 +181,20 @@ def condense(message: str) -> str:
 
 
 def _nested_suggestion(name: str) -> str:
-    """The closest setting of an expert, a card's ZeRO or LoRA block, or ``run`` to a misspelt one."""
+    """Where a method's setting went when its settings were grouped (joint_rl's ``refiners``, dmd2's ``gan`` and
+    ``regression``), else the closest setting of an expert, a card's ZeRO or LoRA block, or ``run`` to a misspelt
+    one."""
     import dataclasses
 
     from posttrain.lit.base import RunArgs
+    from posttrain.modules.distill import args as distill_args
     from posttrain.modules.models.cards import Expert, LoraConfig, ZeroConfig
+    from posttrain.modules.rl import refiner_args
 
+    for method, moved in (("joint_rl", refiner_args.MOVED), ("dmd2", distill_args.MOVED)):
+        if name in moved:
+            group, key = moved[name].split(".")
+            return f"{method}'s `{name}` is now `{moved[name]}` (under model.init_args: `{group}: {{{key}: ...}}`)"
     known = {f.name for cls in (Expert, ZeroConfig, LoraConfig, RunArgs) for f in dataclasses.fields(cls)}
     close = difflib.get_close_matches(name, sorted(known), n=1)
     hint = f"did you mean `{close[0]}`? " if close else ""

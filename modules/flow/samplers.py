@@ -427,7 +427,7 @@ class FlowMatchSampler:
         """Recompute step ``i``'s log p of the stored transition under the current weights (with grad).
 
         ``cond``/``uncond`` are of the rows selected by ``index`` (a subset of the batch). At the
-        rollout's weights this reproduces the stored log p (the C2 identity, PPO ratio 1).
+        rollout's weights this reproduces the stored log p (log-probability parity, PPO ratio 1).
         """
         if traj.xs is None:
             raise ValueError("the trajectory was sampled without capture=True; nothing to recompute")

@@ -12,13 +12,13 @@ chat-free: the context is ``template.format(prompt=...)`` (default ``"{prompt}\\
 the longest prompt of the batch; the completion ends at the first EOS (kept, it is an action) and is
 padded after it.
 
-Losses (METHODS.md, joint_rl; UniRL / PromptRL):
+Losses (docs/methods.md#joint-rl; UniRL / PromptRL):
 - token policy gradient ``-(A·exp(lp - sg(lp)))`` averaged over a completion's tokens: its value is
   ``-A`` and its gradient ``-A·∇lp``, REINFORCE with the group advantage A of the sample;
 - k3 KL to the frozen reference ``exp(ref - lp) - (ref - lp) - 1`` (Schulman's unbiased, non-negative
   estimator of KL(π‖π_ref) from samples of π), averaged over the same tokens.
 Everything random takes a ``torch.Generator`` (``rng``) so a resumed run samples the same refinements.
-``refiner_loss`` is a refiner's update (the two losses on one rollout) and ``refiner_c2_gap`` its C2 check,
+``refiner_loss`` is a refiner's update (the two losses on one rollout) and ``refiner_logprob_gap`` its log-probability parity check,
 shared by joint_rl and workflow_rl.
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def sample_refinements(model: torch.nn.Module, tokenizer, prompts: list[str], rn
 
     A loop over the real LM's forward with its KV cache: the context once, then one token per step.
     Recomputing with ``completion_log_probs`` (one forward, no cache) reproduces the captured
-    log-probs to float error (the LM's C2 identity). Stops when every row has emitted EOS.
+    log-probs to float error (the LM's log-probability parity). Stops when every row has emitted EOS.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -258,9 +258,9 @@ def refiner_loss(card, name: str, reference: str, sample: Refinements, advantage
 
 
 @torch.no_grad()
-def refiner_c2_gap(model: torch.nn.Module, sample: Refinements, temperature: float) -> torch.Tensor:
+def refiner_logprob_gap(model: torch.nn.Module, sample: Refinements, temperature: float) -> torch.Tensor:
     """max |recomputed − captured token log p| of ``sample`` under ``model``'s current weights: ~0 at the
-    weights it was sampled with (the LM's C2 identity)."""
+    weights it was sampled with (the LM's log-probability parity)."""
     return (completion_log_probs(model, sample, temperature) - sample.log_probs).abs().max()
 
 

@@ -1,1 +1,2 @@
-"""Reinforcement learning: GRPO settings, advantages, rollouts, workflows of stages, the RL losses."""
+"""Reinforcement learning: GRPO settings, joint RL's refiner settings, advantages, rollouts, workflows of stages, the
+RL losses."""

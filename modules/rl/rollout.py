@@ -6,9 +6,9 @@ trajectory (x of every step, log p of every SDE step) and the conditioning of it
 ``Rollout.sample`` — ``FlowMatchSampler.sample(..., sde=True, capture=True)`` through the stage, the serving
 loop with its SDE step switched on — so train ≡ serve. ``Rollout.step_losses`` gives one Flow-GRPO loss per
 trained step (PPO-clip on the recomputed log p plus the KL of the step's mean to a frozen reference; Liu et al.
-2025, METHODS.md flow_grpo), computed lazily: the method backs each one up before the next step's forward runs,
-so activation memory holds one step, as in the reference ``flow_grpo/train_sd3.py``. ``Rollout.c2_gap``
-measures the C2 identity: at the rollout's weights the recomputed log p equals the stored one.
+2025, docs/methods.md#flow-grpo), computed lazily: the method backs each one up before the next step's forward runs,
+so activation memory holds one step, as in the reference ``flow_grpo/train_sd3.py``. ``Rollout.logprob_gap``
+measures log-probability parity: at the rollout's weights the recomputed log p equals the stored one.
 """
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ class Rollout:
                 out[i] = self.sampler.step_log_prob(fn, self.traj, i, self.cond, self.uncond, self.rows).log_prob
         return out
 
-    def c2_gap(self, name: Optional[str] = None) -> torch.Tensor:
-        """max |recomputed - stored log p| over the rollout's SDE steps: ~0 at the rollout's weights (C2)."""
+    def logprob_gap(self, name: Optional[str] = None) -> torch.Tensor:
+        """max |recomputed - stored log p| over the rollout's SDE steps: ~0 at the rollout's weights (log-probability parity)."""
         recomputed = self.recompute_log_probs(name)
         stored = self.traj.log_probs if self.rows is None else self.traj.log_probs[:, self.rows]
         mask = self.traj.sde_mask.to(recomputed.device)
