@@ -98,6 +98,11 @@ class ExpertModule(ExactResume, DeferredLogging):
         run: size of generated videos, seed, NaN tolerance.
     """
 
+    # Whether the training forward of an RL update runs through the rollout sampler's guidance (two rows per sample
+    # when its CFG scale is not 1), as a PPO ratio recomputes each rollout step; a method whose update is a plain
+    # forward of the policy (DiffusionNFT) sets False. ``posttrain estimate`` sizes the update's activations by it.
+    update_runs_rollout_cfg: bool = True
+
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, run: Optional[RunArgs] = None):
         super().__init__()
         self.automatic_optimization = False

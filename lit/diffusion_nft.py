@@ -6,7 +6,7 @@ are kept and scored. The advantage becomes an optimality probability r ∈ [0, 1
 by flow matching on freshly noised samples through an implicit positive policy (weighted by r) and an
 implicit negative one (weighted by 1-r), plus a KL of its velocity to a frozen reference. After each
 step ``old`` is decay-blended toward the policy by a sync plan the versions callback runs, so ``old``
-has its own version. Math: METHODS.md (diffusion_nft), ``modules/flow/losses.py``.
+has its own version. Math: docs/methods.md#diffusion-nft, ``modules/rl/losses.py``.
 
     posttrain fit --config configs/diffusion_nft.yaml
 """
@@ -54,6 +54,8 @@ class DiffusionNFT(ExpertModule):
             serves the policy itself. Apart from ``old``, the behaviour policy, which trails by ``decay_type``.
         run: size of generated videos, seed, NaN tolerance.
     """
+
+    update_runs_rollout_cfg = False  # the update is flow matching on freshly noised samples: one plain forward
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,

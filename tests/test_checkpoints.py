@@ -385,6 +385,49 @@ def test_a_write_that_fails_part_way_removes_its_folder_and_names_the_fix(tmp_pa
     assert files_of(folder) == before and ckpt.last_target(str(folder)) == last
 
 
+class FirstOfTwo(ckpt.Processes):
+    """Process 0 of two, the other one simulated: it fails nowhere and hashes none of the files (``commit`` then
+    hashes what no share did)."""
+
+    rank, size = 0, 2
+
+    def all_gather(self, value):
+        return [value, {} if isinstance(value, dict) else None]
+
+
+def test_the_one_write_sequence_takes_shards_from_every_process(tmp_path):
+    """``write_checkpoint`` with ``Shards``: the shard folders are made before any process writes, every process's
+    shards land in the temporary folder before ``lightning.pt``, process 0 adds the JSON files, and the folder
+    verifies and loads. A shard write that fails removes the temporary folder and names the destination, the process
+    and the fix; the earlier checkpoint stays as it was."""
+    seen = []
+
+    def write(temp):
+        seen.append(ckpt.files_under(temp) + sorted(os.listdir(temp)))
+        torch.save({"shard": torch.arange(3)}, os.path.join(temp, "transformer", "zero", "shard_0.pt"))
+
+    destination = str(tmp_path / "a.ckpt")
+    shards = ckpt.Shards(FirstOfTwo(), write, folders=("transformer/zero",), files={"sharded.json": {"x": 1}})
+    ckpt.write_checkpoint({"global_step": 2, "state_dict": {}}, destination, meta={"world_size": 2}, shards=shards)
+    assert seen == [["transformer"]]  # no file yet, the shard folder made
+    manifest = ckpt.verify(destination)
+    assert sorted(manifest["files"]) == [ckpt.STATE, "sharded.json", "transformer/zero/shard_0.pt"]
+    assert manifest["world_size"] == 2 and manifest["global_step"] == 2
+    with open(os.path.join(destination, "sharded.json")) as f:
+        assert json.load(f) == {"x": 1}
+    assert ckpt.load(destination, gather=False)["global_step"] == 2
+    before = files_of(tmp_path)
+
+    def fails(temp):
+        raise OSError(28, "No space left on device")
+
+    broken = ckpt.Shards(FirstOfTwo(), fails, folders=("transformer/zero",))
+    with pytest.raises(ckpt.CheckpointError, match=r"writing checkpoint '.*b\.ckpt' failed on process 0 \(No space "
+                                                   r"left on device\); the earlier checkpoints are unchanged"):
+        ckpt.write_checkpoint({"global_step": 4}, str(tmp_path / "b.ckpt"), shards=broken)
+    assert files_of(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["a.ckpt"]
+
+
 def files_of(folder) -> dict[str, dict]:
     """Size and hash of every checkpoint file under ``folder`` (the failure note a failed run leaves aside)."""
     return {rel: ckpt.hash_file(os.path.join(folder, rel)) for rel in ckpt.files_under(str(folder))

@@ -11,21 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 
 import pytest
 import torch
 import yaml
 
 import launch
+from bench import memory  # the measured side
+from bench import sequence_parallel  # the bytes a forward saves for backward
 from posttrain.lit.tools.estimate import _inputs, estimate, meta_model
 from posttrain.modules.models import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import memory  # noqa: E402  (bench/memory.py: the measured side)
-import sequence_parallel  # noqa: E402  (bench/sequence_parallel.py: the bytes a forward saves for backward)
 
 ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-4}}
 # bench/memory.py's preset at layers=2, heads=8, head_dim=64 (10.6M parameters)
@@ -177,6 +174,14 @@ def test_activation_rows_follow_the_rl_batching():
     assert activation_rows(SimpleNamespace(**rl), 1)[0] == 2
     rows, text = activation_rows(SimpleNamespace(**{**rl, "rollout_sampler": FlowMatchSampler(guidance_scale=4.5)}), 1)
     assert rows == 4 and "micro-batches of 2" in text and "CFG" in text
+    # a method whose update is a plain forward of the policy (DiffusionNFT) says so: no second CFG row
+    guided = {**rl, "rollout_sampler": FlowMatchSampler(guidance_scale=4.5)}
+    rows, text = activation_rows(SimpleNamespace(**guided, update_runs_rollout_cfg=False), 1)
+    assert rows == 2 and "CFG" not in text
+    from posttrain.lit.diffusion_nft import DiffusionNFT
+    from posttrain.lit.flow_grpo import FlowGRPO
+
+    assert DiffusionNFT.update_runs_rollout_cfg is False and FlowGRPO.update_runs_rollout_cfg is True
 
 
 def test_roles_lora_and_offload_are_counted(tmp_path):

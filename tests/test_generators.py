@@ -20,6 +20,7 @@ from posttrain.lit.joint_rl import JointRL
 from posttrain.modules.models import vae as codec
 from posttrain.modules.models.cards import Expert, ModelCard
 from posttrain.modules.rl.grpo import GRPOArgs
+from posttrain.modules.rl.refiner_args import RefinerArgs
 from posttrain.modules.rewards.synthetic import ColourAlignment, MotionAlignment
 from posttrain.modules.rewards.base import ConstantReward, score
 from posttrain.modules.flow.samplers import FlowMatchSampler
@@ -115,7 +116,8 @@ def test_every_method_runs_on_flux(method):
         data = Prompts(prompts=PROMPTS, batch_size=2)
     else:
         module = JointRL(flux_card(num_refiners=1, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-3))),
-                         sampler=sampler, grpo=GRPOArgs(num_samples_per_prompt=2), max_new_tokens=2, run=run)
+                         sampler=sampler, grpo=GRPOArgs(num_samples_per_prompt=2),
+                         refiners=RefinerArgs(max_new_tokens=2), run=run)
         data = Prompts(prompts=PROMPTS, batch_size=2)
     quick_trainer(1).fit(module, data)
     assert module.trainer.global_step == 1
@@ -184,12 +186,39 @@ def test_a_wan_vae_preset_compresses_as_its_layers_do_and_a_config_that_says_oth
         latent_shape(wrong, 9, 32, 48)
 
 
+def test_each_vae_is_coded_by_its_familys_codec_found_by_its_class():
+    """``modules/models/vae.py`` names no VAE class: every ``vae`` architecture's codec is registered for its class
+    (a subclass finds its parent's), the functions there dispatch to it, and a class no family declared is refused
+    by name."""
+    from diffusers import AutoencoderKLWan
+
+    from posttrain.modules.models import presets
+    from posttrain.modules.models.generators.base import codec_of
+    from posttrain.modules.models.generators.flux import ImageVAE
+    from posttrain.modules.models.generators.wan import WanVAE
+
+    assert set(presets.archs("vae")) == {"wan_vae", "vae_kl"}
+    wan, kl = presets.build_model("wan_vae"), presets.build_model("vae_kl")
+    assert isinstance(codec_of(wan), WanVAE) and isinstance(codec_of(kl), ImageVAE)
+    video = torch.rand(1, 3, 5, 32, 32) * 2 - 1
+    for vae in (wan, kl):
+        assert torch.equal(codec.encode(vae, video), codec_of(vae).encode(vae, video))
+        assert codec.latent_shape(vae, 5, 32, 32) == tuple(codec.encode(vae, video).shape[1:])
+
+    class Longer(AutoencoderKLWan):
+        pass
+
+    assert isinstance(codec_of(Longer(**presets.PRESETS["wan_vae"])), WanVAE)
+    with pytest.raises(TypeError, match=r"no latent codec for Linear; a VAE family declares one"):
+        codec.encode(torch.nn.Linear(2, 2), video)
+
+
 # torch 2.13's own inductor import (torch/utils/mkldnn.py) calls the deprecated torch.jit.script_method: not ours
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_compiles_what_serving_runs():
     """``compile: true`` on an expert: a VAE's encoder and decoder are compiled (diffusers' ``encode``/``decode`` call
     them and never the VAE's forward, so compiling the forward would leave decoding eager), a transformer's forward
-    is; weights and state dict keys are unchanged. (Whether it pays: bench/distill.py --compile-decode.)"""
+    is; weights and state dict keys are unchanged. (Whether it pays: experiments/distill.py --compile-decode.)"""
     plain = ModelCard({"vae": Expert(arch="wan_vae"), "transformer": Expert(arch="wan_t2v")})
     plain.build()
     card = ModelCard({"vae": Expert(arch="wan_vae", compile=True), "transformer": Expert(arch="wan_t2v", compile=True)})

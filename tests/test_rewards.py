@@ -81,6 +81,45 @@ def test_weighted_reward_prefixes_terms_and_term_of_finds_experts():
         WeightedReward({"colour": ColourAlignment()}, weights={"jpeg": 1.0})
 
 
+class HoldsAModel(ConstantReward):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 1)
+
+    def models(self):
+        return {"head": self.head}
+
+
+def test_a_reward_names_its_models_and_combinations_name_their_parts():
+    """``Reward.models``: none by default, a reward's own, a ``WeightedReward``'s parts under their keys, a
+    ``StageReward``'s part as is; ``reward_models`` prefixes them (``posttrain estimate``'s rows) and takes any
+    callable."""
+    from posttrain.modules.rewards.base import StageReward, reward_models
+
+    held = HoldsAModel()
+    assert ColourAlignment().models() == {} and held.models() == {"head": held.head}
+    both = WeightedReward({"colour": ColourAlignment(), "pick": held, "image": StageReward(held, "t2i")})
+    assert both.models() == {"pick/head": held.head, "image/head": held.head}
+    assert reward_models(both) == {"reward/pick/head": held.head, "reward/image/head": held.head}
+    assert reward_models(lambda media, prompts, context=None: None) == {}
+
+
+def test_every_reward_file_is_exported_by_the_package():
+    """``modules/rewards/__init__.py`` finds the rewards by reading its folder: every ``Reward`` subclass of every
+    file is a name of the package (what a short ``class_path`` resolves)."""
+    import importlib
+    import pkgutil
+
+    import posttrain.modules.rewards as rewards
+    from posttrain.modules.rewards.base import Reward
+
+    defined = {name for info in pkgutil.iter_modules(rewards.__path__)
+               for name, value in vars(importlib.import_module(f"{rewards.__name__}.{info.name}")).items()
+               if isinstance(value, type) and issubclass(value, Reward) and value.__module__.endswith(info.name)}
+    assert {"PickScore", "RemoteReward", "ColourAlignment", "IntentReward", "CLIPScore"} <= defined
+    assert defined <= set(rewards.__all__) and all(getattr(rewards, name).__name__ == name for name in defined)
+
+
 class NaNReward(ConstantReward):
     def __call__(self, media, prompts, context=None):
         return RewardOutput(torch.tensor([0.5, float("nan")]), {})

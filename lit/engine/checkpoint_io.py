@@ -1,8 +1,9 @@
 """Lightning's checkpoint I/O over the package's on-disk protocol (``posttrain.modules.io.checkpoints``).
 
 Plain (non-sharded) strategies write checkpoint folders atomically with a manifest and read them verified,
-weights only; ``ShardedExpertsStrategy`` writes its own folders by the same protocol. ``ExpertModule.setup``
-and ``callbacks.checkpoints.ModelCheckpoint`` install it.
+weights only; ``ShardedExpertsStrategy`` writes its folders through the same ``write_checkpoint``, with its shards.
+It is installed in one place, the method's ``setup`` (``lit/engine/resume.py``), which runs before any checkpoint is
+restored or saved.
 """
 from __future__ import annotations
 

@@ -187,8 +187,8 @@ def check_signature(saved: dict, current: dict, shown: int = 3) -> None:
 
 def check_state_fits(saved: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], shown: int = 3) -> None:
     """Refuse a checkpoint whose weights do not fit the module though its experts match (``check_signature``):
-    modules a method adds to an expert from its settings (DMD2's GAN head on the critic: ``gan_critic_weight``,
-    ``gan_blocks``, ``gan_space``) differ from the run that wrote it. Compared: the keys the checkpoint holds (a
+    modules a method adds to an expert from its settings (DMD2's GAN head on the critic: ``gan.critic_weight``,
+    ``gan.blocks``, ``gan.space``) differ from the run that wrote it. Compared: the keys the checkpoint holds (a
     sharded expert's engine saves its own, so its keys are in neither list here) and, for each expert the checkpoint
     holds keys of, the keys it lacks."""
     def expert(key: str) -> str:
@@ -203,8 +203,8 @@ def check_state_fits(saved: Mapping[str, torch.Tensor], current: Mapping[str, to
         rest = f"\n  - and {len(problems) - shown} more" if len(problems) > shown else ""
         raise ValueError(f"checkpoint weights do not fit this run's modules ({len(problems)} differ); nothing was "
                          f"loaded:\n  - " + "\n  - ".join(problems[:shown]) + rest
-                         + "\nA setting that adds or reshapes a module (DMD2's GAN head: gan_critic_weight, "
-                           "gan_blocks, gan_space) differs from the run that wrote it: resume with its config "
+                         + "\nA setting that adds or reshapes a module (DMD2's GAN head: gan.critic_weight, "
+                           "gan.blocks, gan.space) differs from the run that wrote it: resume with its config "
                            "(config.yaml beside the run), or start a new run.")
 
 

@@ -14,8 +14,9 @@ refuses the CPU. ``ShardedExpertsStrategy`` is a ``DDPStrategy`` that instead
 - routes ``ExpertModule.backward_experts`` / ``_step_one`` through the engines (``expert_backward``,
   ``expert_step``); engine steps never touch ``trainer.global_step`` (iterations are counted by
   ``callbacks.IterationCounter``);
-- saves a checkpoint folder ``<name>.ckpt/`` by the protocol of ``modules/io/checkpoints.py`` (temporary folder,
-  every file hashed and fsynced, manifest, one rename): ``lightning.pt`` (the Lightning state of everything
+- saves a checkpoint folder ``<name>.ckpt/`` through the one write sequence of ``modules/io/checkpoints.py``
+  (temporary folder, every file hashed and fsynced, manifest, one rename), handing it the engines' shards:
+  ``lightning.pt`` (the Lightning state of everything
   else: plain experts, their optimizers, loops, RNG, versions, data position), ``sharded.json`` and one
   ``engine.save_checkpoint`` folder per sharded expert, and resumes all of it with ``--ckpt_path`` after
   verifying every file, with DeepSpeed's own shard reads restricted to an allow-list of types.
@@ -37,10 +38,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 import os
 import shutil
-from typing import Any, ContextManager, Iterator, Mapping, Optional
+from typing import Any, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -266,52 +266,25 @@ class ShardedExpertsStrategy(DDPStrategy):
                                f"unexpected {unexpected[:5]}")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """A checkpoint folder (``modules/io/checkpoints.py``): ``lightning.pt``, ``sharded.json`` and one ZeRO shard folder
-        per trained engine, written into a temporary folder and committed by rank 0 once every process has written,
-        hashed and fsynced its part. Every process must call this."""
+        """A checkpoint folder by the one write sequence (``ckpt.write_checkpoint``): ``lightning.pt``, ``sharded.json``
+        and one ZeRO shard folder per trained engine, written into a temporary folder by every process and committed
+        by rank 0 once every process has written, hashed and fsynced its part. Every process must call this."""
         if not self.trained_engines:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        destination = str(filepath)
-        temp = ckpt.temp_path(destination, self.broadcast(ckpt.new_token() if self.is_global_zero else None))
-        with self._all_or_none(temp, destination):
-            if self.is_global_zero:  # with every folder DeepSpeed would create: it writes nothing before its files
-                for name in self.trained_engines:
-                    os.makedirs(os.path.join(temp, name, TAG))
-        self.barrier("sharded_checkpoint_dir")
-        ckpt.fault_point("write:start")
         meta = {name: sharded_meta(self._card().specs[name], self.world_size) for name in self.trained_engines}
-        with self._all_or_none(temp, destination):
-            self._save_engines(temp)
-        ckpt.fault_point("write:shards")
-        hashed: dict[str, dict] = {}
-        with self._all_or_none(temp, destination):
-            if self.is_global_zero:
-                checkpoint["posttrain_sharded"] = meta
-                hashed[ckpt.STATE] = ckpt.save_state(checkpoint, os.path.join(temp, ckpt.STATE))
-                with open(os.path.join(temp, META), "w") as f:
-                    json.dump(meta, f, indent=1)
-        ckpt.fault_point("write:state")
-        # every process hashes and fsyncs a share of the files (the shards are most of the bytes)
-        mine: dict[str, dict] = {}
-        with self._all_or_none(temp, destination):
-            files = [rel for rel in ckpt.files_under(temp) if rel != ckpt.STATE]
-            mine = {rel: ckpt.hash_file(os.path.join(temp, rel), sync=True)
-                    for rel in files[self.global_rank::self.world_size]}
-        shares: list = [None] * self.world_size
-        dist.all_gather_object(shares, mine)
-        with self._all_or_none(temp, destination):
-            if self.is_global_zero:
-                for share in shares:
-                    hashed.update(share)
-                ckpt.commit(temp, destination, hashed,
-                            meta={"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
-                                  "world_size": self.world_size, **(storage_meta(storage_options) or {})})
+        checkpoint["posttrain_sharded"] = meta
+        # with every folder DeepSpeed would create: it writes nothing before its files
+        shards = ckpt.Shards(_StrategyProcesses(self), write=self._save_engines,
+                             folders=tuple(os.path.join(name, TAG) for name in self.trained_engines),
+                             files={META: meta})
+        ckpt.write_checkpoint(checkpoint, str(filepath), shards=shards,
+                              meta={"world_size": self.world_size, **(storage_meta(storage_options) or {})})
 
     def _save_engines(self, temp: str) -> None:
         """Every trained engine's ``save_checkpoint`` into ``temp``. A write that fails there (its files are written
         between DeepSpeed's collectives: two barriers and the tag check before, a barrier after) leaves the
         closing barrier, which the processes that wrote wait at: the failed one joins it, so that every process
-        then reaches the same agreement (``_all_or_none``)."""
+        then reaches the same agreement (``ckpt.write_checkpoint``)."""
         failure: Optional[Exception] = None
         for name, engine in self.trained_engines.items():
             try:
@@ -321,28 +294,6 @@ class ShardedExpertsStrategy(DDPStrategy):
                 failure = failure or err
         if failure is not None:
             raise failure
-
-    @contextlib.contextmanager
-    def _all_or_none(self, temp: str, destination: str) -> Iterator[None]:
-        """One phase of a save, then agreement: if any process failed (a full disk, a file-size limit, anything —
-        torch's zip writer raises RuntimeError, DeepSpeed its own), all of them stop with the same message, naming
-        the process and the cause, and rank 0 removes the temporary folder (earlier checkpoints and ``last``
-        stay)."""
-        failure: Optional[tuple[str, str]] = None  # (cause, fix), told by the process that failed
-        try:
-            yield
-        except Exception as err:
-            failure = ckpt.failure_of(err, destination)
-        failures: list = [None] * self.world_size
-        dist.all_gather_object(failures, failure)
-        failed = [(rank, told) for rank, told in enumerate(failures) if told is not None]
-        if not failed:
-            return
-        if self.is_global_zero:
-            shutil.rmtree(temp, ignore_errors=True)
-        rank, (reason, fix) = failed[0]
-        where = f" on process {rank}" if self.world_size > 1 else ""
-        raise ckpt.CheckpointError(ckpt.write_failed(destination, reason, fix, where))
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
@@ -472,6 +423,24 @@ class ShardedExpertsStrategy(DDPStrategy):
 
 
 # ---------------------------------------------------------------------- DeepSpeed configs
+class _StrategyProcesses(ckpt.Processes):
+    """The strategy's processes as a checkpoint write needs them (``ckpt.write_checkpoint``)."""
+
+    def __init__(self, strategy: ShardedExpertsStrategy):
+        self.strategy, self.rank, self.size = strategy, strategy.global_rank, strategy.world_size
+
+    def broadcast(self, value: Any) -> Any:
+        return self.strategy.broadcast(value)
+
+    def barrier(self) -> None:
+        self.strategy.barrier("sharded_checkpoint_dir")
+
+    def all_gather(self, value: Any) -> list:
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+
 def deepspeed_config(spec: Expert, model: Optional[torch.nn.Module] = None) -> dict[str, Any]:
     """The DeepSpeed config of one sharded expert, from ``Expert.zero`` (``extra`` merged last).
 

@@ -28,11 +28,9 @@ from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-import posttrain.callbacks  # noqa: F401  (short class names in YAML: SampleVideos, C2Check, ...)
+import posttrain.callbacks  # noqa: F401  (short class names in YAML: SampleVideos, LogProbParityCheck, ...)
 import posttrain.datamodules  # noqa: F401
 import posttrain.lit  # noqa: F401  (the methods, for `model: {class_path: Finetune}`)
-import posttrain.modules.rewards.preference  # noqa: F401  (short reward names: `reward: {class_path: PickScore}`, ...)
-import posttrain.modules.rewards.remote  # noqa: F401  (`reward: {class_path: RemoteReward}`)
 from posttrain.callbacks.progress import ExpertSummary, IterationProgressBar
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.models import presets

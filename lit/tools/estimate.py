@@ -49,6 +49,7 @@ from posttrain.modules.models import presets
 from posttrain.modules.models.cards import Expert, ModelCard, dtype_of
 from posttrain.modules.models.generators.base import TrainingForward
 from posttrain.modules.models.sequence_parallel import all_to_all_bytes, enable_sequence_parallel, traced_mesh
+from posttrain.modules.rewards.base import reward_models
 
 GIB = 2**30
 
@@ -231,10 +232,8 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
 
 
 def reward_memory(reward: Any) -> list[ComponentMemory]:
-    """One row per model a local reward holds (PickScore, HPSv2.1, the aesthetic predictor, CLIPScore): frozen
-    weights in their dtype, no gradients, no optimizer state; a ``RemoteReward`` holds none here."""
-    from posttrain.modules.rewards.preference import reward_models
-
+    """One row per model a local reward holds (``Reward.models``: PickScore, HPSv2.1, the aesthetic predictor,
+    CLIPScore): frozen weights in their dtype, no gradients, no optimizer state; a ``RemoteReward`` holds none here."""
     rows = []
     for name, model in reward_models(reward).items():
         params = list(model.parameters())
@@ -424,12 +423,10 @@ def activation_rows(method, data_batch: int, micro: bool = True) -> tuple[int, s
     K, minibatches = grpo.num_samples_per_prompt, grpo.num_minibatches
     rows = math.ceil(data_batch * K / minibatches)
     micro = grpo.micro_batch_size if micro else None
-    # a PPO update recomputes each trained step through the rollout sampler, CFG included; DiffusionNFT's update is
-    # a plain forward of the policy
-    from posttrain.lit.diffusion_nft import DiffusionNFT
-
+    # a PPO update recomputes each trained step through the rollout sampler, CFG included; a method whose update is
+    # a plain forward of the policy (DiffusionNFT) says so (``update_runs_rollout_cfg``)
     sampler = getattr(method, "rollout_sampler", None)
-    cfg = sampler is not None and sampler.guidance_scale != 1.0 and not isinstance(method, DiffusionNFT)
+    cfg = sampler is not None and sampler.guidance_scale != 1.0 and getattr(method, "update_runs_rollout_cfg", True)
     text = f"{data_batch} prompts x K={K}" + (f" / {minibatches} minibatches" if minibatches > 1 else "")
     if micro is not None and micro < rows:
         rows, text = micro, text + f", in micro-batches of {micro}"
@@ -500,15 +497,11 @@ def _trace_dtype(spec: Expert, cast: Optional[torch.dtype], autocast: Optional[t
 
 def _all_to_all_bytes(spec: Expert, config: dict, card: ModelCard, method, rows: int, degree: int,
                       cast: Optional[torch.dtype], autocast: Optional[torch.dtype]) -> int:
-    """``all_to_all_bytes`` of ``spec``'s transformer at the method's video size: the tokens its self-attention sees
-    (Wan: the patches of the latent video; FLUX: the packed image tokens and the text, attended jointly)."""
+    """``all_to_all_bytes`` of ``spec``'s transformer at the method's video size: the tokens its self-attention sees,
+    as its adapter counts them (Wan: the patches of the latent video; FLUX: the packed image tokens and the text,
+    attended jointly)."""
     shapes = input_shapes(spec.arch, config, card, method, rows)
-    if len(shapes["hidden_states"]) == 5:
-        patch = config["patch_size"]
-        _, _, f, h, w = shapes["hidden_states"]
-        tokens = (f // patch[0]) * (h // patch[1]) * (w // patch[2])
-    else:
-        tokens = shapes["hidden_states"][1] + shapes["encoder_hidden_states"][1]
+    tokens = presets.architecture(spec.arch).adapter.attention_tokens(config, shapes)
     dtype, autocast = _trace_dtype(spec, cast, autocast)
     size = torch.empty(0, dtype=autocast or dtype).element_size()
     return all_to_all_bytes(rows, tokens, config["num_attention_heads"] * config["attention_head_dim"], degree, size)

@@ -87,11 +87,11 @@ def feature_blocks(critic: nn.Module, blocks: Sequence[int]) -> list[int]:
     the critic has not."""
     if not hasattr(critic, "blocks"):
         raise ValueError(f"the GAN head reads the critic's transformer blocks; {type(critic).__name__} has no "
-                         f"`blocks` (use a Wan critic, or set gan_critic_weight and gan_generator_weight to 0)")
+                         f"`blocks` (use a Wan critic, or set gan.critic_weight and gan.generator_weight to 0)")
     n = len(critic.blocks)
     wrong = [b for b in blocks if not -n <= b < n]
     if wrong or not blocks:
-        raise ValueError(f"gan_blocks={list(blocks)}: the critic has {n} blocks, so each index lies in "
+        raise ValueError(f"gan.blocks={list(blocks)}: the critic has {n} blocks, so each index lies in "
                          f"[{-n}, {n - 1}] (-1 = the last) and at least one is given")
     return sorted({b % n for b in blocks})
 

@@ -9,7 +9,7 @@ def dmd_generator_loss(x0: torch.Tensor, real_x0_cond: torch.Tensor, fake_x0: to
                        real_x0_uncond: torch.Tensor | None = None, guidance_scale: float = 1.0
                        ) -> tuple[torch.Tensor, dict]:
     """Per-sample DMD2 generator loss (Yin et al. 2024, "Improved Distribution Matching Distillation", eq. 2 with
-    DMD's normalized gradient, eq. 7–8; METHODS.md dmd2; reference Self-Forcing ``model/dmd.py``,
+    DMD's normalized gradient, eq. 7–8; docs/methods.md#dmd2; reference Self-Forcing ``model/dmd.py``,
     ``_compute_kl_grad`` and ``compute_distribution_matching_loss``).
 
     ``x0`` is the student's sample x̂0 (with gradient); the three scores are x0 predictions at the same noised
@@ -19,7 +19,7 @@ def dmd_generator_loss(x0: torch.Tensor, real_x0_cond: torch.Tensor, fake_x0: to
     ``L_G = 0.5·mean((x̂0 - sg(x̂0 - grad))²)``, whose gradient is ``grad / n`` (n elements per sample): it pushes
     x̂0 away from the critic's (fake) and towards the teacher's (real) denoising. Computed in float64 like the
     reference, so that x̂0 - (x̂0 - grad) keeps a small grad exact. Shapes (B, C, F, H, W) or any (B, ...).
-    The guidance convention is METHODS.md's: Self-Forcing's ``cond + g'·(cond - uncond)`` is g = g' + 1 here.
+    The guidance convention is docs/methods.md's: Self-Forcing's ``cond + g'·(cond - uncond)`` is g = g' + 1 here.
     The critic's own loss is ``flow_matching_loss`` on the detached samples (target ε - sg(x̂0)).
 
     Metrics: ``dmd_grad_abs`` mean |grad| (the reference's ``dmdtrain_gradient_norm``), ``dmd_normalizer`` mean of

@@ -24,7 +24,7 @@ def sample_sigmas(batch_size: int, mode: str, rng: torch.Generator | None = None
 
 
 def flow_matching_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Per-sample MSE(v_θ(x_σ, σ, c), ε - x0), the rectified-flow target (METHODS.md, finetune)."""
+    """Per-sample MSE(v_θ(x_σ, σ, c), ε - x0), the rectified-flow target (docs/methods.md#finetune)."""
     err = (v_pred.float() - (noise - x0).float()) ** 2
     per_sample = err.mean(dim=tuple(range(1, err.ndim)))
     return per_sample, {"v_target_norm": (noise - x0).float().pow(2).mean().sqrt().detach()}

@@ -26,9 +26,10 @@ checkpoint that verifies, saying so. Nothing is unpickled beyond an allow-list: 
 ``weights_only=True``, and DeepSpeed's own shard loaders run under ``restricted_unpickling`` (which forces
 ``weights_only=True`` on every ``torch.load`` DeepSpeed makes, with its three checkpoint types allowed).
 
-This is the on-disk protocol only, without Lightning: ``lit/engine/checkpoint_io.py`` plugs it into Lightning's
-checkpoint I/O, ``lit/engine/strategy.py`` writes the sharded folders by it, ``callbacks/checkpoints.py`` keeps
-``last`` by it.
+``write_checkpoint`` is the one write sequence, for one process or for the processes of a sharded strategy (which
+hand it their shards: ``Shards``). This is the on-disk protocol only, without Lightning: ``lit/engine/checkpoint_io.py``
+plugs it into Lightning's checkpoint I/O, ``lit/engine/strategy.py`` writes the sharded folders through it,
+``callbacks/checkpoints.py`` keeps ``last`` by it.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import shutil
 import time
 import uuid
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -233,23 +235,116 @@ def commit(temp: str, destination: str, hashed: dict[str, dict], meta: Optional[
     fault_point("write:committed")
 
 
-def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optional[dict] = None) -> None:
-    """Write ``checkpoint`` as a complete checkpoint folder at ``destination`` (one process). A failed write (a full
-    disk, a file-size limit, anything) removes its temporary folder, leaves every earlier checkpoint as it was and
-    raises ``CheckpointError`` naming the destination, the cause and the fix."""
-    os.makedirs(os.path.dirname(os.path.abspath(destination)), exist_ok=True)
-    temp = temp_path(destination, new_token())
+class Processes:
+    """The processes that write one checkpoint together and the collectives the write needs: one process by default
+    (none needed); a sharded strategy gives its own (``lit/engine/strategy.py``)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def broadcast(self, value: Any) -> Any:
+        """Process 0's ``value``, on every process."""
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def all_gather(self, value: Any) -> list:
+        """Every process's ``value``, in rank order, on every process."""
+        return [value]
+
+
+@dataclass
+class Shards:
+    """What the processes of a sharded strategy add to one checkpoint before its Lightning state (``write_checkpoint``).
+
+    Args:
+        processes: the processes that write together (every one of them calls ``write_checkpoint``).
+        write: called on every process with the temporary folder, to write its shard files there (one
+            ``engine.save_checkpoint`` folder per sharded expert).
+        folders: folders process 0 makes in the temporary folder before any process writes.
+        files: small files process 0 writes as JSON beside ``lightning.pt`` (``sharded.json``), by relative path.
+    """
+
+    processes: Processes
+    write: Callable[[str], None]
+    folders: tuple[str, ...] = ()
+    files: dict[str, Any] = field(default_factory=dict)
+
+
+def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optional[dict] = None,
+                     shards: Optional[Shards] = None) -> None:
+    """Write ``checkpoint`` as a complete checkpoint folder at ``destination``: the one write sequence (steps 1-3 of
+    the protocol above). Alone by default; with ``shards``, every process of ``shards.processes`` calls this with the
+    same destination: each writes its shards into the temporary folder, process 0 writes ``lightning.pt``, each
+    hashes and fsyncs a share of the files, and process 0 writes the manifest and renames the folder once all have.
+
+    A failed write (a full disk, a file-size limit, anything, on any process) removes its temporary folder, leaves
+    every earlier checkpoint as it was and raises ``CheckpointError`` on every process, naming the destination, the
+    cause (and the process that failed) and the fix. ``meta``: extra manifest fields."""
+    processes = shards.processes if shards is not None else Processes()
+    lead = processes.rank == 0
+    temp = temp_path(destination, processes.broadcast(new_token() if lead else None))
     try:
-        os.makedirs(temp)
+        # 1. the temporary folder beside the destination (and every folder the shards go into)
+        with _agreed(processes, temp, destination):
+            if lead:
+                os.makedirs(temp)
+                for folder in shards.folders if shards is not None else ():
+                    os.makedirs(os.path.join(temp, folder))
+        processes.barrier()
         fault_point("write:start")
-        digest = save_state(checkpoint, os.path.join(temp, STATE))
+        hashed: dict[str, dict] = {}
+        # 2. every process's shards, then the Lightning state (hashed while it is written)
+        if shards is not None:
+            with _agreed(processes, temp, destination):
+                shards.write(temp)
+            fault_point("write:shards")
+        with _agreed(processes, temp, destination):
+            if lead:
+                hashed[STATE] = save_state(checkpoint, os.path.join(temp, STATE))
+                for rel, value in (shards.files if shards is not None else {}).items():
+                    with open(os.path.join(temp, rel), "w") as f:
+                        json.dump(value, f, indent=1)
         fault_point("write:state")
-        commit(temp, destination, {STATE: digest}, meta=_meta_of(checkpoint, meta))
+        # 3. every process hashes and fsyncs a share of the other files (the shards are most of the bytes)
+        if shards is not None:
+            mine: dict[str, dict] = {}
+            with _agreed(processes, temp, destination):
+                files = [rel for rel in files_under(temp) if rel != STATE]
+                mine = {rel: hash_file(os.path.join(temp, rel), sync=True)
+                        for rel in files[processes.rank::processes.size]}
+            for share in processes.all_gather(mine):
+                hashed.update(share)
+        # 4. the manifest, then the rename
+        with _agreed(processes, temp, destination):
+            if lead:
+                commit(temp, destination, hashed, meta=_meta_of(checkpoint, meta))
     except BaseException as err:
+        if not isinstance(err, Exception) and processes.size == 1:  # an interrupt: the write was stopped, not failed
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _agreed(processes: Processes, temp: str, destination: str) -> Iterator[None]:
+    """One phase of a write, then agreement: if any process failed (a full disk, a file-size limit, anything — torch's
+    zip writer raises RuntimeError, DeepSpeed its own), all of them stop with the same message, naming the process and
+    the cause, and process 0 removes the temporary folder (earlier checkpoints and ``last`` stay)."""
+    failure: Optional[tuple[str, str]] = None  # (cause, fix), told by the process that failed
+    error: Optional[Exception] = None
+    try:
+        yield
+    except Exception as err:
+        failure, error = failure_of(err, destination), err
+    failed = [(rank, told) for rank, told in enumerate(processes.all_gather(failure)) if told is not None]
+    if not failed:
+        return
+    if processes.rank == 0:
         shutil.rmtree(temp, ignore_errors=True)
-        if not isinstance(err, Exception):  # an interrupt: the write did not fail, it was stopped
-            raise
-        raise CheckpointError(write_failed(destination, *failure_of(err, destination))) from err
+    rank, (reason, fix) = failed[0]
+    where = f" on process {rank}" if processes.size > 1 else ""
+    raise CheckpointError(write_failed(destination, reason, fix, where)) from error
 
 
 def failure_of(err: BaseException, destination: str) -> tuple[str, str]:

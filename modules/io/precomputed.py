@@ -1,6 +1,6 @@
 """Precomputed training inputs on disk: VAE latents and frozen text-encoder rows of a dataset, encoded once.
 
-A folder written by ``posttrain preprocess`` (``lit/preprocess.py``) holds, per split (``train``, ``val``),
+A folder written by ``posttrain preprocess`` (``lit/tools/preprocess.py``) holds, per split (``train``, ``val``),
 one safetensors shard per encoding process with
 
 - ``index`` (n,) int64: the dataset indices of the rows (the shards of a split cover ``range(count)``),

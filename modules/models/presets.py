@@ -2,8 +2,9 @@
 model of the package is built by.
 
 Every component of a card is built here from its ``arch`` name: an ``Architecture`` of ``ARCHITECTURES``, the
-shared components below (text encoders, VAEs, the refiner LM) and those every generator family declares in its
-own file (``modules/models/generators/<family>.py``: the generator, its preset and adapter). A preset is the constructor
+shared components below (text encoders, the image encoder, the refiner LM) and those every generator family declares
+in its own file (``modules/models/generators/<family>.py``: the generator, its preset and adapter, its VAE and
+codec). A preset is the constructor
 config of the real ``diffusers``/``transformers`` class, shrunk so that the embedded default trains on a CPU in
 seconds; ``preset`` overrides in YAML change single keys of it. With ``pretrained`` set, the class's own
 ``from_pretrained`` loads a local folder (or a hub id already in the local cache): nothing is downloaded at run
@@ -17,7 +18,7 @@ import os
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLWan, ModelMixin
+from diffusers import ModelMixin
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
@@ -28,7 +29,6 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from posttrain.modules.models import vae as vae_codec
 from posttrain.modules.models.generators import ARCHITECTURES as _FAMILIES
 from posttrain.modules.models.generators.base import BYT5_VOCAB, TEXT_DIM, Architecture, TrainingForward
 
@@ -40,14 +40,8 @@ def _lm_inputs(config: dict, forward: TrainingForward) -> dict[str, tuple]:
     return {"input_ids": (forward.rows, forward.text_length)}
 
 
-# The components every generator family may read (each family's own generator is in its file).
+# The components every generator family may read (each family's own generator and VAE are in its file).
 _SHARED: dict[str, Architecture] = {
-    # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent channels,
-    # encoder and decoder of width 16 (0.13M parameters). The shipped asset (scripts/train_vae.py) is exactly this.
-    "wan_vae": Architecture(AutoencoderKLWan, dict(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
-        scale_factor_spatial=4, scale_factor_temporal=4,
-    ), "vae", asset=True),
     # Wan's text encoder; the shipped asset was trained jointly with the world's Wan generator (scripts/train_world.py)
     "umt5": Architecture(UMT5EncoderModel, dict(
         vocab_size=BYT5_VOCAB, d_model=TEXT_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
@@ -77,13 +71,6 @@ _SHARED: dict[str, Architecture] = {
         attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
         pad_token_id=0,
     ), "lm", layer_keys=("num_hidden_layers",), inputs=_lm_inputs),
-    # AutoencoderKL of the image generators: 4x spatial (three levels; the pipelines read 2^(levels-1) from the
-    # config), 16 latent channels; normalized by (z - shift_factor)·scaling_factor. Asset: scripts/train_flux_vae.py.
-    "vae_kl": Architecture(AutoencoderKL, dict(
-        block_out_channels=(16, 32, 32), latent_channels=16, norm_num_groups=8, layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        shift_factor=0.0, scaling_factor=1.0,
-    ), "vae", asset=True),
 }
 
 
@@ -181,8 +168,8 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
                 model = _from_config(spec.cls, _folder_config(arch, pretrained, subfolder))
             else:
                 merged = {**spec.preset, **(preset or {})}
-                if spec.cls is AutoencoderKLWan:
-                    merged = vae_codec.wan_preset(merged, dict(preset or {}))
+                if spec.codec is not None:  # a VAE whose config must follow its layers (Wan's scale factors)
+                    merged = spec.codec.preset(merged, dict(preset or {}))
                 model = _from_config(spec.cls, merged, preset=True)
             model = cast(model, dtype)
         if lora is not None:

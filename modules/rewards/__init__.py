@@ -1,20 +1,35 @@
 """Rewards: ``reward(media, prompts, context=None) -> RewardOutput`` (the interface is ``base``).
 
-Importing this package registers every reward class here, so a config may name one by its class alone
-(``reward: {class_path: PickScore}``) or by ``posttrain.modules.rewards.<Name>``. A new reward is a new file in this
-folder, imported below.
+This package imports every module in its folder and exports every reward class they define (each subclass of
+``base.Reward``), so a config may name one by its class alone (``reward: {class_path: PickScore}``) or by
+``posttrain.modules.rewards.<Name>``, and a new reward is one new file here and no edit elsewhere. A method's
+``reward: Reward`` argument imports ``base`` through this package, which is what registers them all.
 """
+import importlib
+import pkgutil
+
 from posttrain.modules.rewards.base import (ConstantReward, Reward, RewardOutput, StageReward, WeightedReward,
                                              check_reward_output, credited_term, prompts_for_scoring, reward_name,
                                              score, term_of, term_problems)
-from posttrain.modules.rewards.image import CLIPScore, JpegCompressibility
-from posttrain.modules.rewards.synthetic import (PALETTE, ColourAlignment, MotionAlignment, RefinementKeyword,
-                                                  SyntheticGenEvalReward, prompt_motion)
-from posttrain.modules.rewards.intent import IntentReward
-from posttrain.modules.rewards.preference import HPSv21, LaionAesthetic, PickScore
-from posttrain.modules.rewards.remote import RemoteReward
 
-__all__ = ["CLIPScore", "ColourAlignment", "ConstantReward", "HPSv21", "IntentReward", "JpegCompressibility",
-           "LaionAesthetic", "MotionAlignment", "PALETTE", "PickScore", "RefinementKeyword", "RemoteReward", "Reward",
-           "RewardOutput", "StageReward", "SyntheticGenEvalReward", "WeightedReward", "check_reward_output",
-           "credited_term", "prompt_motion", "prompts_for_scoring", "reward_name", "score", "term_of", "term_problems"]
+__all__ = ["ConstantReward", "Reward", "RewardOutput", "StageReward", "WeightedReward", "check_reward_output",
+           "credited_term", "prompts_for_scoring", "reward_name", "score", "term_of", "term_problems"]
+
+
+def _rewards() -> dict[str, type]:
+    """The public ``Reward`` subclasses every module of this package defines, by class name."""
+    found: dict[str, type] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, Reward) and value.__module__ == module.__name__ \
+                    and not name.startswith("_"):
+                if name in found and found[name] is not value:
+                    raise ValueError(f"reward {name!r} is defined twice in modules/rewards/ (again in {info.name}.py)")
+                found[name] = value
+    return found
+
+
+REWARDS: dict[str, type] = _rewards()  # every reward class, by name
+globals().update(REWARDS)
+__all__ += sorted(set(REWARDS) - set(__all__))

@@ -13,6 +13,10 @@ terms of ``RefinementKeyword`` are named after the experts (``refiner_0``…), a
 prefixes the terms of its parts (``keyword/refiner_0``); ``term_of`` finds an expert's term either way.
 Every call a method makes goes through ``score``, which checks shape and finiteness and names the
 reward in the error. Built-ins need no downloaded model, except ``CLIPScore`` on a local path.
+
+A reward that holds models names them (``Reward.models``), so that whoever places or counts them (``posttrain
+estimate``) asks the reward instead of knowing its class. Every file of this folder is imported by the package
+(``modules/rewards/__init__.py``), which is what lets a config name a reward by its class alone.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -41,6 +46,12 @@ class Reward:
     def __call__(self, media: torch.Tensor, prompts: list[str],
                  context: Optional[dict[str, Any]] = None) -> RewardOutput:
         raise NotImplementedError
+
+    def models(self) -> dict[str, nn.Module]:
+        """The frozen models this reward holds in this process, by name (none by default; one served elsewhere holds
+        none). A reward that loads its model on first use returns it built on the meta device until then (shapes
+        and dtypes, no weights), so it can be counted before it runs."""
+        return {}
 
 
 def check_reward_output(out: Any, batch_size: int, name: str) -> RewardOutput:
@@ -64,6 +75,17 @@ def check_reward_output(out: Any, batch_size: int, name: str) -> RewardOutput:
             raise ValueError(f"reward {name!r}: {label} is not finite for samples {bad}: {value.tolist()}; make the "
                              f"reward return finite values (guard its divisions and empty masks)")
     return RewardOutput(out.total.float(), {k: v.float() for k, v in out.terms.items()})
+
+
+def models_of(reward: Any) -> dict[str, nn.Module]:
+    """``reward.models()``; none for a plain callable used as a reward."""
+    models = getattr(reward, "models", None)
+    return dict(models()) if callable(models) else {}
+
+
+def reward_models(reward: Any, prefix: str = "reward") -> dict[str, nn.Module]:
+    """The models a reward holds, named ``<prefix>/<name>`` (the rows ``posttrain estimate`` counts)."""
+    return {f"{prefix}/{name}": model for name, model in models_of(reward).items()}
 
 
 def reward_name(reward: Any) -> str:
@@ -147,6 +169,9 @@ class StageReward(Reward):
                              f"context holds stages {sorted(stages)}: use it with workflow_rl and name one of them")
         return check_reward_output(self.reward(stages[self.stage], prompts, context), len(prompts), self.name)
 
+    def models(self) -> dict[str, nn.Module]:
+        return models_of(self.reward)
+
 
 class ConstantReward(Reward):
     """The same reward for every sample: a control (zero advantage everywhere, so no update)."""
@@ -195,3 +220,7 @@ class WeightedReward(Reward):
             part = self.weights[key] * out.total
             total = part if total is None else total + part
         return RewardOutput(total, terms)
+
+    def models(self) -> dict[str, nn.Module]:
+        """Every part's models, named ``<part>/<name>``."""
+        return {f"{key}/{name}": model for key, part in self.rewards.items() for name, model in models_of(part).items()}

@@ -73,5 +73,14 @@ class CLIPScore(Reward):
         total = clip_cosines(*self._clip, images, texts).view(B, len(idx)).mean(1).to(media.device)
         return RewardOutput(total, {"cosine": total})
 
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The CLIP model; before its first use (it loads then), built from its folder's config on the meta device."""
+        if self._clip is not None:
+            return {"clip": self._clip[0].model}
+        from transformers import CLIPConfig, CLIPModel
+
+        with torch.device("meta"):
+            return {"clip": CLIPModel(CLIPConfig.from_pretrained(self.path, local_files_only=True))}
+
 
 # ---------------------------------------------------------------------------------------- text rewards

@@ -371,24 +371,3 @@ class LaionAesthetic(FrameReward):
         pixels = self.image_processor(images=pictures, return_tensors="pt")["pixel_values"]
         embedding = features(self.model.get_image_features(pixel_values=pixels.to(device, self.dtype))).float()
         return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
-
-
-def reward_models(reward: Any, prefix: str = "reward") -> dict[str, nn.Module]:
-    """The frozen models a reward holds in this process, by name (``estimate`` counts them): a ``FrameReward``'s,
-    ``CLIPScore``'s (built from its folder's config on the meta device: it loads on first use), those of a
-    ``WeightedReward``'s or ``StageReward``'s parts; none for rewards without a model or served elsewhere."""
-    from posttrain.modules.rewards.image import CLIPScore
-    from posttrain.modules.rewards.base import StageReward, WeightedReward
-
-    if isinstance(reward, FrameReward):
-        return {f"{prefix}/{name}": model for name, model in reward.models().items()}
-    if isinstance(reward, WeightedReward):
-        return {k: m for key, part in reward.rewards.items() for k, m in reward_models(part, f"{prefix}/{key}").items()}
-    if isinstance(reward, StageReward):
-        return reward_models(reward.reward, prefix)
-    if isinstance(reward, CLIPScore):
-        from transformers import CLIPConfig, CLIPModel
-
-        with torch.device("meta"):
-            return {f"{prefix}/clip": CLIPModel(CLIPConfig.from_pretrained(reward.path, local_files_only=True))}
-    return {}

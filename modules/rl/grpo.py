@@ -2,7 +2,7 @@
 rows train.
 
 Group-relative policy optimization (Shao et al. 2024; for flow matching Liu et al. 2025, "Flow-GRPO",
-METHODS.md flow_grpo): K samples per prompt form a group, each sample's advantage is its reward normalized
+docs/methods.md#flow-grpo): K samples per prompt form a group, each sample's advantage is its reward normalized
 within its group (``modules/rl/advantages.py``), and the policy is updated by PPO-clip on a fraction of the
 rollout's SDE steps plus a KL to a frozen reference (``modules/rl/rollout.py``). ``flow_grpo`` reads all of it;
 ``joint_rl`` and ``workflow_rl`` all but the inner epochs and minibatches (one update per rollout batch);

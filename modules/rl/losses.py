@@ -8,7 +8,7 @@ import torch
 def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                   clip_range: float) -> tuple[torch.Tensor, dict]:
     """Per-sample PPO-clip loss ``max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε))``, ``ratio = exp(lp - lp_old)``
-    (Schulman et al. 2017; Flow-GRPO, METHODS.md flow_grpo). All inputs (B,); ``old_log_prob`` is
+    (Schulman et al. 2017; Flow-GRPO, docs/methods.md#flow-grpo). All inputs (B,); ``old_log_prob`` is
     treated as a constant. Metrics: ``ratio_mean``, ``clip_frac`` (share with |ratio-1| > ε),
     ``approx_kl`` (mean ½(lp - lp_old)²)."""
     if clip_range <= 0:
@@ -44,7 +44,7 @@ def nft_reward_weight(advantages: torch.Tensor, clip: float = 5.0) -> torch.Tens
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,
              sigma: torch.Tensor, r: torch.Tensor, beta: float = 1.0, v_ref: torch.Tensor | None = None,
              kl_beta: float = 0.0, adv_clip: float = 5.0) -> tuple[torch.Tensor, dict]:
-    """Per-sample DiffusionNFT loss (Zheng et al. 2025, "DiffusionNFT"; METHODS.md diffusion_nft).
+    """Per-sample DiffusionNFT loss (Zheng et al. 2025, "DiffusionNFT"; docs/methods.md#diffusion-nft).
 
     ``v+ = β·v_θ + (1-β)·v_old`` (implicit positive policy), ``v- = (1+β)·v_old - β·v_θ`` (implicit
     negative), ``x0± = x_t - σ·v±``, ``L± = mean((x0± - x0)²) / sg(max(mean|x0± - x0|, 1e-5))``;

@@ -2,7 +2,7 @@
 
 GenEval (Ghosh et al. 2023) asks an object detector whether an image shows what its prompt names.
 In the synthetic world (``modules/world/world.py``) image analysis answers exactly, so the score of a
-generator is the share of prompts whose facts its videos show (METHODS.md, "Synthetic GenEval"):
+generator is the share of prompts whose facts its videos show (docs/methods.md#synthetic-geneval):
 
 - background: the most common nearest-palette colour of the border pixels (all frames);
 - shape colour: the most common nearest-palette colour among the other pixels;

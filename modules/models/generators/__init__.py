@@ -1,6 +1,6 @@
 """Generator architectures as adapters, and the stage that binds one to a card.
 
-The sampler, the SDE step, the C2 check and every method are one code path over all generators. What
+The sampler, the SDE step, the log-probability parity check and every method are one code path over all generators. What
 differs between architectures lives in an adapter (FastVideo's ``ModelBase`` idea, diffusers' pipelines
 as the reference of each): how the text stack encodes a prompt, what else the transformer reads (a
 conditioning image), how the transformer is called as a velocity, how latents are shaped, and what the
@@ -16,9 +16,10 @@ finetuning and the SDE are shared; an architecture that runs on another layout c
 | ``WanI2V`` | ``WanImageToVideoPipeline`` | + ``image_latents`` (B, T + C, F', h, w): first-frame mask (T = the VAE's temporal factor) and the VAE latents of [image, zeros]; + ``encoder_hidden_states_image`` (B, N, D') with a Wan 2.1 image encoder |
 | ``Flux`` | ``FluxPipeline`` | ``encoder_hidden_states`` (B, L, D) from T5, ``pooled_projections`` (B, D) from CLIP, ``guidance`` (B,) for guidance-distilled weights |
 
-Each family file declares its ``ARCHITECTURES`` (``base.Architecture``: class, preset, asset, adapter, …); this
-package imports every module in it and collects them, so a new family is one new file and no edit here:
-``ARCHITECTURES`` is every family's, ``ADAPTERS`` the adapter of each generator architecture.
+Each family file declares its ``ARCHITECTURES`` (``base.Architecture``: class, preset, asset, adapter or VAE codec,
+…); this package imports every module in it and collects them, so a new family, with its VAE, is one new file and
+no edit here: ``ARCHITECTURES`` is every family's, ``ADAPTERS`` the adapter of each generator architecture, and
+``base.CODECS`` the codec of each VAE class (what ``modules.models.vae`` dispatches on).
 
 A ``GeneratorStage`` binds an adapter to the experts of a card (``transformer``, ``vae``, the text
 encoders, an image encoder, by name), so methods say ``stage.condition(prompts)``,
@@ -32,19 +33,15 @@ import contextlib
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
-from posttrain.modules.models import vae as vae_codec
 from posttrain.modules.flow.conditioning import Conditioning
-from posttrain.modules.models.generators.base import Architecture, GeneratorAdapter, VideoSize
+from posttrain.modules.models.generators.base import CODECS, Architecture, Card, GeneratorAdapter, VideoSize, codec_of
 from posttrain.modules.models.generators.flux import Flux, clip_pooled_embeds, t5_embeds
 from posttrain.modules.models.generators.wan import WanI2V, WanT2V, umt5_embeds, wan21_image_processor, wan_text_states, wan_tokens
 from posttrain.modules.flow.samplers import FlowMatchSampler, Schedule, Trajectory, VelocityFn
-
-if TYPE_CHECKING:
-    from posttrain.modules.models.cards import ModelCard
 
 __all__ = ["ADAPTERS", "ARCHITECTURES", "Architecture", "GeneratorAdapter", "GeneratorStage", "VideoSize", "WanT2V",
            "WanI2V", "Flux", "wan_tokens", "wan_text_states", "umt5_embeds", "wan21_image_processor",
@@ -63,6 +60,14 @@ def _families() -> dict[str, Architecture]:
             if adapter is not None and len(adapter.text_encoder_archs) != len(adapter.text_encoders):
                 raise ValueError(f"{info.name}.py: {type(adapter).__name__}.text_encoder_archs must name the arch of "
                                  f"each of its text_encoders {adapter.text_encoders}")
+            if arch.kind == "vae":
+                if arch.codec is None:
+                    raise ValueError(f"{info.name}.py: the VAE {name!r} needs a codec (`codec=` a base.VAECodec: how "
+                                     f"its pixels become normalized latents)")
+                known = CODECS.setdefault(arch.cls, arch.codec)
+                if type(known) is not type(arch.codec):
+                    raise ValueError(f"{info.name}.py: {arch.cls.__name__} ({name!r}) already has the codec "
+                                     f"{type(known).__name__}")
             found[name] = arch
     return found
 
@@ -88,7 +93,7 @@ class GeneratorStage:
             without ``guidance_embeds``.
     """
 
-    card: ModelCard
+    card: Card
     transformer: str = "transformer"
     vae: str = "vae"
     text_encoders: Optional[tuple[str, ...]] = None
@@ -104,7 +109,7 @@ class GeneratorStage:
         return self.transformer[: -len("transformer")] if self.transformer.endswith("transformer") else ""
 
     @classmethod
-    def named(cls, card: ModelCard, prefix: str = "", **kwargs) -> "GeneratorStage":
+    def named(cls, card: Card, prefix: str = "", **kwargs) -> "GeneratorStage":
         """The stage of experts ``<prefix>_transformer``, ``<prefix>_vae``, ``<prefix>_text_encoder[_2]``
         (no prefix: the plain names), the adapter's encoders under the same prefix."""
         p = f"{prefix}_" if prefix else ""
@@ -241,8 +246,11 @@ class GeneratorStage:
             return sampler.sample(fn, noise, cond, uncond, schedule=schedule, exit_step=exit_step, **kwargs)
 
     # ------------------------------------------------------------------ pixels
+    @torch.no_grad()
     def encode(self, video: torch.Tensor) -> torch.Tensor:
-        return vae_codec.encode(self.card[self.vae], video)
+        vae = self.card[self.vae]
+        return codec_of(vae).encode(vae, video)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_codec.decode(self.card[self.vae], latents)
+        vae = self.card[self.vae]
+        return codec_of(vae).decode(vae, latents)

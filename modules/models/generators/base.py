@@ -1,30 +1,63 @@
-"""What a generator family provides: the adapter interface it implements, the architectures it registers, and
-the video size.
+"""What a generator family provides: the adapter interface it implements, the VAE codec it registers, the
+architectures it declares, and the video size.
 
 A family file (``wan.py``, ``flux.py``, ``sd3.py``, …) subclasses ``GeneratorAdapter`` after its diffusers
-pipeline and declares ``ARCHITECTURES``: name -> ``Architecture`` (the real class, its tiny preset, its shipped
-asset, its adapter, and what estimate, export and the card need to know of it). ``modules.generators`` collects
-the ``ARCHITECTURES`` of every module of the package and ``modules.presets`` adds the shared components (text
-encoders, VAEs, LMs): a new family is one new file here.
+pipeline, subclasses ``VAECodec`` for a VAE of its own, and declares ``ARCHITECTURES``: name -> ``Architecture``
+(the real class, its tiny preset, its shipped asset, its adapter or codec, and what estimate, export and the card
+need to know of it). ``modules.models.generators`` collects the ``ARCHITECTURES`` of every module of the package and
+``modules.models.presets`` adds the shared components (text encoders, the image encoder, LMs): a new family, with its
+VAE, is one new file here.
+
+Nothing here imports the card: an adapter reads a card and a stage through the two protocols below (``Card``,
+``Stage``: what a family reads of ``cards.ModelCard`` and ``GeneratorStage``), so imports run one way, from the card
+to the families that build its experts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Protocol
 
 import torch
 
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.flow.samplers import FlowMatchSampler
 
-if TYPE_CHECKING:
-    from posttrain.modules.models.generators import GeneratorStage
-
 # ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model uses this
 # vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them; their width is TEXT_DIM, which
 # the tiny generators read as their text width.
 BYT5_VOCAB = 384
 TEXT_DIM = 32
+
+
+class Card(Protocol):
+    """What a generator family reads of a card (``modules.models.cards.ModelCard`` is the one implementation)."""
+
+    specs: Mapping[str, Any]  # expert name -> ``Expert`` (its ``arch``)
+    tokenizers: Mapping[str, Any]
+    text_max_length: int
+
+    def __getitem__(self, name: str) -> torch.nn.Module: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def use(self, name: str) -> ContextManager[torch.nn.Module]: ...
+
+    def text_embeds(self, encoder: str, prompts: list[str],
+                    compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor: ...
+
+
+class Stage(Protocol):
+    """What an adapter reads of the stage that drives it (``modules.models.generators.GeneratorStage``): the card and
+    the names of the experts it runs."""
+
+    card: Card
+    transformer: str
+    vae: str
+    image_encoder: Optional[str]
+    embedded_guidance: Optional[float]
+
+    @property
+    def encoders(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +69,7 @@ class TrainingForward:
     rows: int
     text_length: int
     latent_shape: Optional[tuple[int, ...]] = None
-    stage: Optional["GeneratorStage"] = None
+    stage: Optional[Stage] = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +83,8 @@ class Architecture:
         kind: ``generator`` (driven by ``adapter``), ``vae``, ``text_encoder``, ``image_encoder`` or ``lm``.
             Text encoders and LMs get a tokenizer on the card.
         adapter: how a generator is driven (one instance may serve several architectures).
+        codec: how a VAE maps pixels to the normalized latents every adapter works in (``VAECodec``; every ``vae``
+            declares one).
         asset: ``modules/assets/<name>`` ships trained weights of exactly this preset, loaded when the expert has
             no ``preset`` overrides.
         causal: a block-causal generator (samples chunk by chunk through a KV cache: ``sampler.chunk_frames``).
@@ -72,6 +107,7 @@ class Architecture:
     preset: dict[str, Any]
     kind: Literal["generator", "vae", "text_encoder", "image_encoder", "lm"]
     adapter: Optional["GeneratorAdapter"] = None
+    codec: Optional["VAECodec"] = None
     asset: bool = False
     causal: bool = False
     layer_keys: tuple[str, ...] = ()
@@ -107,6 +143,67 @@ class VideoSize:
     width: int = 32
 
 
+class VAECodec:
+    """How one VAE class turns pixels into the normalized latents every adapter works in, and back, as its diffusers
+    pipeline does. Video is (B, C, F, H, W) in [-1, 1]; an image is a one-frame video; latents are
+    (B, z, F', h, w) float32. A family with a VAE of its own subclasses this beside its adapter and names it in the
+    VAE's ``Architecture(codec=...)``; ``modules.models.vae`` (what callers use) finds it by the VAE's class."""
+
+    def encode(self, vae: torch.nn.Module, video: torch.Tensor, sample: bool = False,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """(B, C, F, H, W) pixels -> (B, z, F', h, w) normalized float32 latents (mode unless ``sample``)."""
+        raise NotImplementedError
+
+    def decode(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """(B, z, F', h, w) normalized latents -> (B, C, F, H, W) pixels clamped to [-1, 1]."""
+        raise NotImplementedError
+
+    def scale_factors(self, vae: torch.nn.Module) -> tuple[int, int]:
+        """(temporal, spatial) compression of ``vae``, from its config (as the diffusers pipelines read it)."""
+        raise NotImplementedError
+
+    def latent_channels(self, vae: torch.nn.Module) -> int:
+        raise NotImplementedError
+
+    def preset(self, config: dict, given: dict) -> dict:
+        """The preset a card builds: ``config`` (the tiny preset with the user's overrides ``given`` merged in),
+        completed where the VAE's config must follow its layers."""
+        return config
+
+    def latent_shape(self, vae: torch.nn.Module, frames: int, height: int, width: int,
+                     patch: tuple[int, int] = (1, 1)) -> tuple[int, int, int, int]:
+        """(C, F', h, w) latents of a (frames, height, width) video; a size the VAE (times the transformer's
+        spatial ``patch``) cannot take is an error that names the option and a size that works."""
+        temporal, spatial = self.scale_factors(vae)
+        problems = []
+        if (frames - 1) % temporal:
+            problems.append(f"frames={frames} must be {temporal}k+1 (the VAE compresses time by {temporal}); "
+                            f"e.g. {-(-max(frames - 1, 0) // temporal) * temporal + 1}")
+        for name, value, p in (("height", height, patch[0]), ("width", width, patch[1])):
+            if value < 1 or value % (spatial * p):
+                problems.append(f"{name}={value} must be a multiple of {spatial * p} (VAE factor {spatial}"
+                                f"{f' × patch {p}' if p > 1 else ''}); e.g. "
+                                f"{max(1, -(-value // (spatial * p))) * spatial * p}")
+        if problems:
+            raise ValueError("video size: " + "; ".join(problems))
+        return self.latent_channels(vae), (frames - 1) // temporal + 1, height // spatial, width // spatial
+
+
+# VAE class -> its codec, from the ``codec`` of every family's VAE architectures (``modules.models.generators``
+# fills it as it collects the families; importing anything of this package runs that first)
+CODECS: dict[type, VAECodec] = {}
+
+
+def codec_of(vae: torch.nn.Module) -> VAECodec:
+    """The codec registered for ``vae``'s class (or the nearest class it derives from; ``__class__``, which a card's
+    routed expert reports as its model's)."""
+    for cls in vae.__class__.__mro__:
+        if cls in CODECS:
+            return CODECS[cls]
+    raise TypeError(f"no latent codec for {vae.__class__.__name__}; a VAE family declares one beside its architecture "
+                    f"(`Architecture(cls, preset, 'vae', codec=...)` in modules/models/generators/<family>.py)")
+
+
 def _config(model: torch.nn.Module):
     return model.config
 
@@ -127,7 +224,7 @@ class GeneratorAdapter:
     #: whether the conditioning holds an image (the first frame of the video to generate)
     takes_image: bool = False
 
-    def text_encoder_problems(self, stage: "GeneratorStage", archs: list[str]) -> list[str]:
+    def text_encoder_problems(self, stage: Stage, archs: list[str]) -> list[str]:
         """Problems of the stage's text encoders, whose ``arch`` are ``archs`` (in the order of ``text_encoders``)."""
         if len(archs) != len(self.text_encoder_archs) or list(archs) == list(self.text_encoder_archs):
             return []
@@ -135,15 +232,15 @@ class GeneratorAdapter:
         return [f"{type(self).__name__} ({stage.transformer!r}) reads {self.reads}; {list(stage.encoders)} are "
                 f"{list(archs)}: give {give}"]
 
-    def text(self, stage: "GeneratorStage", prompts: list[str]) -> dict[str, torch.Tensor]:
+    def text(self, stage: Stage, prompts: list[str]) -> dict[str, torch.Tensor]:
         """The text part of the conditioning of ``prompts`` (rows cached by encoder version and prompt)."""
         raise NotImplementedError
 
-    def image(self, stage: "GeneratorStage", images: torch.Tensor, size: VideoSize) -> dict[str, torch.Tensor]:
+    def image(self, stage: Stage, images: torch.Tensor, size: VideoSize) -> dict[str, torch.Tensor]:
         """The image part of the conditioning: ``images`` (B, 3, H, W) in [-1, 1] for a ``size`` output."""
         raise ValueError(f"{type(self).__name__} generates from text alone; it takes no conditioning image")
 
-    def extra(self, stage: "GeneratorStage", batch_size: int) -> dict[str, torch.Tensor]:
+    def extra(self, stage: Stage, batch_size: int) -> dict[str, torch.Tensor]:
         """Further per-row inputs that are neither text nor image (FLUX's embedded guidance)."""
         return {}
 
@@ -163,6 +260,11 @@ class GeneratorAdapter:
     def schedule_kwargs(self, sampler: FlowMatchSampler, latent_shape: tuple[int, ...]) -> dict:
         """What the pipeline passes to ``scheduler.set_timesteps`` besides the step count."""
         return {}
+
+    def attention_tokens(self, config: dict, shapes: dict[str, tuple]) -> int:
+        """Tokens per sample the transformer's self-attention sees in a forward of inputs ``shapes``
+        (``training_inputs``), for ``posttrain estimate``'s sequence-parallel all-to-all buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how many tokens its attention sees")
 
     def training_inputs(self, config: dict, forward: "TrainingForward") -> dict[str, tuple]:
         """Shapes of the transformer's inputs in one training forward (``forward.latent_shape`` latents, as the

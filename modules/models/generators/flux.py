@@ -1,17 +1,12 @@
-"""FLUX text-to-image (``FluxPipeline``)."""
+"""FLUX text-to-image (``FluxPipeline``), and the image VAE of the image generators (``AutoencoderKL``)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from diffusers import FluxTransformer2DModel
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-from posttrain.modules.models import vae as vae_codec
-from posttrain.modules.models.generators.base import TEXT_DIM, Architecture, GeneratorAdapter, _config, _dtype
-
-if TYPE_CHECKING:
-    from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.models.generators.base import (TEXT_DIM, Architecture, Card, GeneratorAdapter, VAECodec, _config,
+                                                      _dtype, codec_of)
 
 
 def clip_pooled_embeds(tokenizer, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
@@ -31,12 +26,12 @@ def t5_embeds(tokenizer, model: torch.nn.Module, prompts: list[str], max_length:
 
 
 @torch.no_grad()
-def clip_pooled(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+def clip_pooled(card: Card, encoder: str, prompts: list[str]) -> torch.Tensor:
     return clip_pooled_embeds(card.tokenizers[encoder], card[encoder], prompts)
 
 
 @torch.no_grad()
-def t5_states(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+def t5_states(card: Card, encoder: str, prompts: list[str]) -> torch.Tensor:
     return t5_embeds(card.tokenizers[encoder], card[encoder], prompts, card.text_max_length)
 
 
@@ -113,7 +108,7 @@ class Flux(GeneratorAdapter):
         if size.frames != 1:
             raise ValueError(f"video size: frames={size.frames}, but FLUX makes images: set frames: 1")
         # the latents are packed in 2×2 patches: H and W multiples of 2 × the VAE's factor (FluxPipeline.check_inputs)
-        return vae_codec.latent_shape(vae, 1, size.height, size.width, patch=(2, 2))
+        return codec_of(vae).latent_shape(vae, 1, size.height, size.width, patch=(2, 2))
 
     def training_inputs(self, config, forward):
         # FluxPipeline's packed 2x2 latent tokens, T5 states, CLIP pooled, position ids
@@ -127,6 +122,10 @@ class Flux(GeneratorAdapter):
             shapes["guidance"] = (rows,)
         return shapes
 
+    def attention_tokens(self, config, shapes):
+        # the packed image tokens and the text, attended jointly
+        return shapes["hidden_states"][1] + shapes["encoder_hidden_states"][1]
+
     def schedule_kwargs(self, sampler, latent_shape):
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -139,7 +138,39 @@ class Flux(GeneratorAdapter):
         return {"sigmas": sigmas, "mu": mu}
 
 
+class ImageVAE(VAECodec):
+    """``AutoencoderKL`` as the image pipelines use it (``FluxPipeline``, ``StableDiffusion3Pipeline``): each frame
+    an image, normalized by ``(z - shift_factor)·scaling_factor``."""
+
+    def encode(self, vae, video, sample=False, generator=None):
+        frames = video.to(_dtype(vae)).permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B·F, C, H, W)
+        dist = vae.encode(frames).latent_dist
+        z = (dist.sample(generator) if sample else dist.mode()).float()
+        z = (z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        return z.unflatten(0, (video.shape[0], video.shape[2])).permute(0, 2, 1, 3, 4)
+
+    def decode(self, vae, latents):
+        z = latents.permute(0, 2, 1, 3, 4).flatten(0, 1).float()
+        z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        frames = vae.decode(z.to(_dtype(vae)), return_dict=False)[0].float().clamp(-1, 1)
+        return frames.unflatten(0, (latents.shape[0], latents.shape[2])).permute(0, 2, 1, 3, 4)
+
+    def scale_factors(self, vae):
+        return 1, 2 ** (len(vae.config.block_out_channels) - 1)  # as the pipelines read it: each level but the last
+
+    def latent_channels(self, vae):
+        return vae.config.latent_channels
+
+
 ARCHITECTURES = {
+    # AutoencoderKL of the image generators (FLUX, SD3): 4x spatial (three levels; the pipelines read 2^(levels-1)
+    # from the config), 16 latent channels; normalized by (z - shift_factor)·scaling_factor. Asset:
+    # scripts/train_flux_vae.py.
+    "vae_kl": Architecture(AutoencoderKL, dict(
+        block_out_channels=(16, 32, 32), latent_channels=16, norm_num_groups=8, layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        shift_factor=0.0, scaling_factor=1.0,
+    ), "vae", codec=ImageVAE(), asset=True),
     # FLUX text-to-image, 0.47M parameters: 2×2 packed latents of the 16-channel image VAE (``vae_kl``) in (64),
     # T5 tokens (joint_attention_dim) and CLIP's pooled vector (pooled_projection_dim) as text; RoPE axes sum to the
     # head dim. A 32 px image is 8×8 latents, 16 tokens. The shipped asset: scripts/train_flux.py.

@@ -9,19 +9,14 @@ timestep is 1000·σ. Latents stay (B, C, 1, h, w) as every adapter keeps them; 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel
 from transformers import CLIPTextModelWithProjection
 
-from posttrain.modules.models import vae as vae_codec
-from posttrain.modules.models.generators.base import BYT5_VOCAB, TEXT_DIM, Architecture, GeneratorAdapter, _config, _dtype
+from posttrain.modules.models.generators.base import (BYT5_VOCAB, TEXT_DIM, Architecture, Card, GeneratorAdapter,
+                                                      _config, _dtype, codec_of)
 from posttrain.modules.models.generators.flux import t5_states
-
-if TYPE_CHECKING:
-    from posttrain.modules.models.cards import ModelCard
 
 
 def clip_rows(tokenizer, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
@@ -43,7 +38,7 @@ def clip_split(rows: torch.Tensor, model: torch.nn.Module) -> tuple[torch.Tensor
 
 
 @torch.no_grad()
-def _clip(card: "ModelCard", encoder: str, prompts: list[str]) -> torch.Tensor:
+def _clip(card: Card, encoder: str, prompts: list[str]) -> torch.Tensor:
     return clip_rows(card.tokenizers[encoder], card[encoder], prompts)
 
 
@@ -84,7 +79,7 @@ class SD3(GeneratorAdapter):
             raise ValueError(f"video size: frames={size.frames}, but SD3 makes images: set frames: 1")
         config = _config(transformer)
         patch = config.patch_size
-        shape = vae_codec.latent_shape(vae, 1, size.height, size.width, patch=(patch, patch))
+        shape = codec_of(vae).latent_shape(vae, 1, size.height, size.width, patch=(patch, patch))
         longest = max(shape[-2:]) // patch
         if config.pos_embed_max_size is not None and longest > config.pos_embed_max_size:
             raise ValueError(f"video size: {size.height}x{size.width} px is {longest} patches on a side, more than "

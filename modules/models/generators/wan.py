@@ -1,20 +1,14 @@
-"""Wan 2.1 / 2.2 text-to-video and image-to-video (``WanPipeline``, ``WanImageToVideoPipeline``), and the
-block-causal Wan student of Self-Forcing (``modules.causal_wan``)."""
+"""Wan 2.1 / 2.2 text-to-video and image-to-video (``WanPipeline``, ``WanImageToVideoPipeline``), the
+block-causal Wan student of Self-Forcing (``modules.models.causal_wan``), and Wan's VAE (``AutoencoderKLWan``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-from posttrain.modules.models import vae as vae_codec
 from posttrain.modules.models.causal_wan import CausalWanTransformer3DModel
-from posttrain.modules.models.generators.base import TEXT_DIM, Architecture, GeneratorAdapter, VideoSize, _config, _dtype
-
-if TYPE_CHECKING:
-    from posttrain.modules.models.cards import ModelCard
-    from posttrain.modules.models.generators import GeneratorStage
+from posttrain.modules.models.generators.base import (TEXT_DIM, Architecture, Card, GeneratorAdapter, Stage, VAECodec,
+                                                      VideoSize, _config, _dtype, codec_of)
 
 
 def wan_tokens(tokenizer, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +29,7 @@ def wan_text_states(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tenso
 
 
 @torch.no_grad()
-def umt5_embeds(card: ModelCard, encoder: str, prompts: list[str]) -> torch.Tensor:
+def umt5_embeds(card: Card, encoder: str, prompts: list[str]) -> torch.Tensor:
     """``wan_text_states`` of ``wan_tokens`` of a card's frozen encoder (the pipeline's prompt embeddings)."""
     return wan_text_states(card[encoder], *wan_tokens(card.tokenizers[encoder], prompts, card.text_max_length))
 
@@ -75,12 +69,18 @@ class WanT2V(GeneratorAdapter):
 
     def latent_shape(self, transformer, vae, size):
         patch = _config(transformer).patch_size
-        return vae_codec.latent_shape(vae, size.frames, size.height, size.width, patch=(patch[1], patch[2]))
+        return codec_of(vae).latent_shape(vae, size.frames, size.height, size.width, patch=(patch[1], patch[2]))
 
     def training_inputs(self, config, forward):
         _, f, h, w = forward.latent_shape  # an I2V transformer's in_channels count the image latents and mask too
         return dict(hidden_states=(forward.rows, config["in_channels"], f, h, w), timestep=(forward.rows,),
                     encoder_hidden_states=(forward.rows, forward.text_length, config["text_dim"]))
+
+    def attention_tokens(self, config, shapes):
+        # self-attention runs over the patches of the latent video (the text is cross-attended)
+        patch = config["patch_size"]
+        _, _, f, h, w = shapes["hidden_states"]
+        return (f // patch[0]) * (h // patch[1]) * (w // patch[2])
 
 
 class WanI2V(WanT2V):
@@ -100,11 +100,13 @@ class WanI2V(WanT2V):
     def image(self, stage, images, size):
         vae = stage.card[stage.vae]
         images = _image_batch(images, size, type(self).__name__)
-        temporal, _ = vae_codec.scale_factors(vae)
+        codec = codec_of(vae)
+        temporal, _ = codec.scale_factors(vae)
         # 1. the conditioning video: the image, then F-1 zero (mid-grey) frames, through the VAE
         B, _, H, W = images.shape
         video = torch.cat([images[:, :, None], images.new_zeros(B, 3, size.frames - 1, H, W)], dim=2)
-        latents = vae_codec.encode(vae, video)  # (B, C, F', h, w), normalized as the pipeline does
+        with torch.no_grad():
+            latents = codec.encode(vae, video)  # (B, C, F', h, w), normalized as the pipeline does
         # 2. the mask: 1 on the first pixel frame, 0 after; the first latent frame holds T pixel frames, so the
         #    mask's F pixel frames are regrouped into T channels per latent frame: (B, T, F', h, w)
         h, w = latents.shape[-2:]
@@ -143,7 +145,7 @@ def wan21_image_processor(image_encoder: torch.nn.Module):
 
 
 @torch.no_grad()
-def clip_image_states(stage: "GeneratorStage", images: torch.Tensor) -> torch.Tensor:
+def clip_image_states(stage: Stage, images: torch.Tensor) -> torch.Tensor:
     """(B, N, D) penultimate hidden states of the stage's image encoder (``WanImageToVideoPipeline.encode_image``)
     for ``images`` (B, 3, H, W) in [-1, 1]. The processor gets them as 8-bit (H, W, 3) arrays, as it gets the
     PIL images a pipeline is called with (its resize and 1/255 rescale then agree exactly)."""
@@ -167,6 +169,62 @@ def _image_batch(images: torch.Tensor, size: VideoSize, who: str) -> torch.Tenso
     return images.float()
 
 
+class WanVAE(VAECodec):
+    """``AutoencoderKLWan`` as ``WanPipeline`` uses it: video in, video latents out, normalized per channel by the
+    config's ``latents_mean``/``latents_std``."""
+
+    @staticmethod
+    def _stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=like.device, dtype=torch.float32).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=like.device, dtype=torch.float32).view(shape)
+        return mean, std
+
+    def encode(self, vae, video, sample=False, generator=None):
+        dist = vae.encode(video.to(_dtype(vae))).latent_dist
+        z = (dist.sample(generator) if sample else dist.mode()).float()
+        mean, std = self._stats(vae, z)
+        return (z - mean) / std
+
+    def decode(self, vae, latents):
+        mean, std = self._stats(vae, latents)
+        video = vae.decode((latents.float() * std + mean).to(_dtype(vae)), return_dict=False)[0]
+        return video.float().clamp(-1, 1)
+
+    def scale_factors(self, vae):
+        """A Wan VAE's ``scale_factor_*`` are plain config values beside the layers that do the compressing: one that
+        disagrees with its ``dim_mult`` / ``temperal_downsample`` is an error here (latents of the wrong size
+        otherwise)."""
+        config = vae.config
+        built = wan_compression(config)
+        said = int(config.scale_factor_temporal or built[0]), int(config.scale_factor_spatial or built[1])
+        if said != built:
+            raise ValueError(f"the Wan VAE's config says scale_factor_temporal={said[0]}, scale_factor_spatial="
+                             f"{said[1]}, but its layers (dim_mult {list(config.dim_mult)}, temperal_downsample "
+                             f"{list(config.temperal_downsample)}) compress {built[0]}x in time and {built[1]}x in "
+                             f"space: set scale_factor_temporal: {built[0]} and scale_factor_spatial: {built[1]} in "
+                             f"its preset or config.json (or leave them out of a preset: they follow its layers)")
+        return said
+
+    def latent_channels(self, vae):
+        return vae.config.z_dim
+
+    def preset(self, config, given):
+        """The ``scale_factor_*`` follow the merged layers unless ``given`` (the user's part) sets them: a preset of
+        Wan2.1's 8x VAE over the world's 4x one builds an 8x VAE."""
+        temporal, spatial = wan_compression(config)
+        return {**config, "scale_factor_temporal": given.get("scale_factor_temporal", temporal),
+                "scale_factor_spatial": given.get("scale_factor_spatial", spatial)}
+
+
+def wan_compression(config) -> tuple[int, int]:
+    """(temporal, spatial) compression that an ``AutoencoderKLWan`` of ``config`` (its config or a preset)
+    builds: each level but the last halves height and width, the levels marked in ``temperal_downsample`` time;
+    Wan 2.2's ``patch_size`` folds a further factor into the channels."""
+    patch = config.get("patch_size") or 1  # a diffusers config is a dict too (FrozenDict)
+    return 2 ** sum(bool(t) for t in config["temperal_downsample"]), 2 ** (len(config["dim_mult"]) - 1) * patch
+
+
 # WanTransformer3DModel, 1.2M parameters; patch (1,2,2) on the 4x VAE's latents: a 5x32x32 video is 2x4x4 = 32
 # tokens. text_dim matches the UMT5's d_model. Without overrides it loads the shipped asset (scripts/train_world.py),
 # trained jointly with that UMT5.
@@ -182,6 +240,12 @@ _WAN_BLOCKS = dict(blocks="blocks", residual_outputs=("attn1.to_out.0", "attn2.t
                    widths=("num_attention_heads", "ffn_dim"),
                    hidden_size=lambda config: config["num_attention_heads"] * config["attention_head_dim"])
 ARCHITECTURES = {
+    # AutoencoderKLWan: 4x spatial (three levels), 4x temporal ((F-1)/4+1 latent frames), 16 latent channels,
+    # encoder and decoder of width 16 (0.13M parameters). The shipped asset (scripts/train_vae.py) is exactly this.
+    "wan_vae": Architecture(AutoencoderKLWan, dict(
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
+        scale_factor_spatial=4, scale_factor_temporal=4,
+    ), "vae", codec=WanVAE(), asset=True),
     "wan_t2v": Architecture(WanTransformer3DModel, WAN_T2V, "generator", adapter=_T2V, asset=True,
                             layer_keys=("num_layers",), **_WAN_BLOCKS),
     # The block-causal student (CausalWanTransformer3DModel, Self-Forcing): Wan T2V's config and state dict
