@@ -17,11 +17,11 @@ teal``), on which it is pretrained *unsure*, as a real LM knows words that sit b
 colour the word means here with probability ``--ambiguous-right`` (0.4), the word's near colour otherwise
 (``teal``: cyan or green). Sampled at temperature 1 it then writes either reading — RL explores both — and
 greedily mostly the wrong one; which colour the user means is what prompt-only RL learns from the videos'
-reward (an earlier asset that had never seen these words sampled the meant colour for some of them in
+reward (measured on a refiner that had never seen these words: it sampled the meant colour for some of them in
 fewer than 1 of 16 tries, and prompt-only RL on it did not rise). In ``--unknown-rate`` of the
 examples one word of the request (a value's word, the verb, the noun or the filler) is a random letter
-string while the target still names the facts, so that a word it does not know costs only that fact (a first
-run without it, on two words per value and three templates, derailed on unknown words and garbled the facts
+string while the target still names the facts, so that a word it does not know costs only that fact (trained
+without it, on two words per value and three templates, a refiner derailed on unknown words and garbled the facts
 it knew: all four 0.08 on the train split). Every
 ``--eval-every`` steps it prints greedy rewrite accuracy (the rewrite parsed back by the generator's caption
 parser == the request's facts, per fact and all) and each concern's, on ``--eval-prompts`` requests of the

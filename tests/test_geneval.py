@@ -47,7 +47,7 @@ def test_parse_caption_reads_template_and_refined_prompts():
 
 
 def test_ground_truth_reads_back_exactly(videos, one_thread):
-    """The renderer's own videos: every fact of every video (>= 0.95 is the issue's bar; this is 1.0)."""
+    """The renderer's own videos: every fact of every video (the bar is >= 0.95; this is 1.0)."""
     acc = accuracies(*videos)
     assert acc == {"shape": 1.0, "colour": 1.0, "background": 1.0, "motion": 1.0, "all": 1.0}
 
@@ -168,8 +168,8 @@ def test_frechet_feature_needs_its_width():
 
 
 def test_windows_end_on_each_latent_frame():
-    """Long clips are scored in 5-frame windows (bench/distill.py --per-chunk, the long world's codec): of a 21-frame
-    clip (6 latent frames of the 4x causal VAE: latent frame 0 is pixel frame 0, latent frame p pixel frames
+    """Long clips are scored in 5-frame windows (experiments/distill.py --per-chunk, the long world's codec): of a
+    21-frame clip (6 latent frames of the 4x causal VAE: latent frame 0 is pixel frame 0, latent frame p pixel frames
     4p-3 .. 4p) window p holds frames 4(p-1) .. 4p, so it ends on latent frame p; 5 windows, neighbours sharing one
     frame."""
     video = torch.arange(21.0).view(1, 1, 21, 1, 1).expand(2, 3, 21, 2, 2)

@@ -53,7 +53,7 @@ def test_presets_without_overrides_load_the_shipped_assets():
 def test_pretrained_generator_follows_seen_prompts(world, one_thread):
     """Samples (20 Euler steps, shift 3) of 64 prompts of the concepts it was pretrained on read back far above
     chance (shape 1/3, colours 1/6, motion 1/4): with CFG 4.5 (how Wan serves, and the distillation teacher) each
-    fact >= 0.8 and all four >= 0.5 (the issue's targets); without CFG (how the RL configs roll out) less, which
+    fact >= 0.8 and all four >= 0.5 (the world's targets); without CFG (how the RL configs roll out) less, which
     is the room RL has to climb."""
     eval_prompts = prompts(64, seed=21, exclude=PRETRAIN_EXCLUDE)
     guided = geneval(world, eval_prompts, sampler=FlowMatchSampler(num_steps=20, guidance_scale=4.5))
