@@ -160,7 +160,9 @@ def _is_media(name: str) -> bool:
 def list_items(root: str) -> list[tuple[str, str]]:
     """(media path, caption) pairs of ``root``, sorted by path; errors name the file (and line)."""
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"VideoFolder: data folder {root!r} does not exist")
+        raise FileNotFoundError(f"VideoFolder: data folder {root!r} does not exist; point `root` at your clips "
+                                f"(clip.mp4 + clip.txt pairs, or a metadata.jsonl): --data.init_args.root /path/to/clips, "
+                                f"or the `root` of that entry of `datasets`")
     listed = [os.path.join(root, name) for name in (METADATA, METADATA_CSV) if os.path.isfile(os.path.join(root, name))]
     if len(listed) == 2:
         raise ValueError(f"VideoFolder: {root!r} holds both {METADATA} and {METADATA_CSV}; keep the one that lists "
@@ -919,6 +921,11 @@ class VideoFolder(ResumableDataModule):
                                 **self.data_parallel_ranks())
         return DataLoader(Batched(dataset), batch_size=None, sampler=sampler, collate_fn=self.collate,
                           num_workers=self.num_workers)
+
+    def sample_prompts(self, k: int) -> list[str]:
+        """The first ``k`` held-out captions, or the first ``k`` training captions without a validation split."""
+        self._scan()
+        return [caption for _, caption in (self.val_items or self.train_items)[:k]]
 
     def predict_dataloader(self) -> DataLoader:
         """The held-out captions (or the first ``batch_size`` training captions) as prompts."""

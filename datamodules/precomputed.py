@@ -61,6 +61,10 @@ class PrecomputedVideos(ResumableDataModule):
     def train_dataset(self) -> Dataset:
         return PrecomputedDataset(self.split("train"))
 
+    def sample_prompts(self, k: int) -> list[str]:
+        """The first ``k`` prompts of the validation rows, or of the training rows when there are none."""
+        return list(self.split("val" if "val" in self.manifest["splits"] else "train").prompts[:k])
+
     def val_dataloader(self) -> Optional[DataLoader]:
         if "val" not in self.manifest["splits"]:
             return None

@@ -102,7 +102,12 @@ class Prompts(ResumableDataModule):
     def predict_dataloader(self) -> DataLoader:
         return DataLoader(PromptDataset(self.prompt_list()), batch_size=self.batch_size)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_prompts(self) -> list[str]:
         prompts = self.prompt_list()
-        return DataLoader(PromptDataset(prompts[: max(self.batch_size, min(8, len(prompts)))]),
-                          batch_size=self.batch_size)
+        return prompts[: max(self.batch_size, min(8, len(prompts)))]
+
+    def sample_prompts(self, k: int) -> list[str]:
+        return self.val_prompts()[:k]
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(PromptDataset(self.val_prompts()), batch_size=self.batch_size)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
@@ -254,6 +255,23 @@ class ResumableDataModule(LightningDataModule):
 
     def train_dataset(self) -> Dataset:
         raise NotImplementedError
+
+    def sample_prompts(self, k: int) -> list[str]:
+        """The first ``k`` prompts of the validation split, which ``callbacks.SampleVideos`` draws when it is given
+        none; [] without one. Read from the first batches of ``val_dataloader``: a module that knows its captions
+        without loading media says so more cheaply."""
+        if not is_overridden("val_dataloader", self, LightningDataModule):
+            return []
+        loaders = self.val_dataloader()
+        prompts: list[str] = []
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders] if loaders is not None else []:
+            for batch in loader:
+                if not isinstance(batch, dict):  # not the batch schema: no prompts to read
+                    break
+                prompts += [str(p) for p in batch.get("prompt", [])]
+                if len(prompts) >= k:
+                    return prompts[:k]
+        return prompts
 
     def collate(self, items: list[dict]) -> dict:
         return torch.utils.data.default_collate(items)

@@ -190,6 +190,12 @@ class SyntheticVideos(ResumableDataModule):
         filters: a prompt-only method on ``Prompts`` and one on these clips train on the same captions)."""
         return self.dataset(self.num_samples).captions()
 
+    def sample_prompts(self, k: int) -> list[str]:
+        """The first ``k`` validation captions (those of ``val_dataloader``), without rendering a clip."""
+        dataset = self.dataset(self.num_samples + self.val_samples)
+        first = self.num_samples
+        return [caption(*dataset.facts(i)) for i in range(first, first + min(k, self.val_samples))]
+
     def val_dataloader(self) -> Optional[DataLoader]:
         dataset = self.dataset(self.num_samples + self.val_samples)
         subset = torch.utils.data.Subset(dataset, range(self.num_samples, self.num_samples + self.val_samples))

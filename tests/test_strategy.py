@@ -16,7 +16,9 @@ import yaml
 
 import helpers_strategy as h
 import launch
+from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.modules.io import checkpoints
+from posttrain.modules.io.media import slug
 from posttrain.lit.base import RunArgs
 
 pytestmark = pytest.mark.timeout(900)
@@ -39,8 +41,10 @@ class Runs:
 
 
 TWO = {"model": "helpers_strategy.TwoExperts", "experts": {"critic": h.expert(None)}}
-# sample videos on every rank (rank 0 writes): under DDP, and from a ZeRO-3 engine that must gather
-SAMPLES = [{"class_path": "posttrain.callbacks.samples.SampleVideos", "init_args": {"every_n_iterations": 2}}]
+# sample videos shared by the ranks (3 prompts: 2 on rank 0, 1 and a repeat on rank 1), gathered to rank 0, which
+# writes: under DDP, and from a ZeRO-3 engine that must gather its weights with every rank in each forward
+SAMPLES = [{"class_path": "posttrain.callbacks.samples.SampleVideos",
+            "init_args": {"every_n_iterations": 2, "num_prompts": 3}}]
 RUNS = {
     "ddp": dict(zero_stage=None, ema_decay=0.9, callbacks=SAMPLES),
     "z2": dict(zero_stage=2, ema_decay=0.9),
@@ -49,11 +53,15 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["ddp", "two"])
 def test_sample_videos_under_ddp_and_zero3(runs, run):
-    """Samples at iterations 2 and 4 and at the end, written once (rank 0), without a hang."""
+    """Samples at iterations 2 and 4 (the end adds none: 4 was just sampled), written once (rank 0), without a hang:
+    the data's first 3 validation captions, each rank's share gathered in order."""
     samples = sorted(os.listdir(os.path.join(runs[run], "samples")))
-    assert [s[:8] for s in samples] == ["it000002", "it000002", "it000004", "it000004"], samples
+    assert [s[:8] for s in samples] == ["it000002"] * 3 + ["it000004"] * 3, samples
+    prompts = SyntheticVideos(num_samples=16, batch_size=2).sample_prompts(3)  # the runs' data (helpers_strategy)
+    assert samples == sorted(f"it{it:06d}_{i}_{slug(p)}.gif" for it in (2, 4) for i, p in enumerate(prompts))
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +90,7 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 # ---------------------------------------------------------------------- same math, sharded
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["z2", "z3"])
 def test_zero_matches_ddp(runs, stage):
     """ZeRO-2/3 finetune ends where plain DDP does: generator and its EMA (a sync plan that gathers
@@ -101,6 +110,7 @@ def test_zero_matches_ddp(runs, stage):
 
 
 # ---------------------------------------------------------------------- exact resume
+@pytest.mark.slow
 def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
     """TwoExperts: ``transformer`` in a ZeRO-3 engine, ``critic`` under DDP, each with its optimizer.
     The critic lives in the Lightning state (DDP ignores only the engine's parameters); a run killed
@@ -118,6 +128,7 @@ def test_sharded_and_plain_experts_kill_resume_is_exact(runs, tmp_path):
 
 
 # ---------------------------------------------------------------------- multi-node
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_nodes_train_as_one_world(runs, tmp_path, launcher):
     """``trainer.num_nodes: 2, devices: 1`` started as 2 "nodes" on 127.0.0.1 — by two ``torchrun --nnodes 2
@@ -137,6 +148,7 @@ def test_two_nodes_train_as_one_world(runs, tmp_path, launcher):
 
 
 # ---------------------------------------------------------------------- export
+@pytest.mark.slow
 def test_export_from_zero3_checkpoint(runs, tmp_path):
     from diffusers import WanTransformer3DModel
 
@@ -150,6 +162,7 @@ def test_export_from_zero3_checkpoint(runs, tmp_path):
     assert_close(exported, h.weights(h.last(runs["ddp"]), "transformer"), atol=5e-5)  # independent of zero_to_fp32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", ["export", "estimate"])
 def test_the_tools_that_run_deepspeed_are_as_quiet_as_fit(runs, tmp_path, tool):
     """``export`` of a ZeRO checkpoint and ``estimate`` of a sharded config import DeepSpeed, which probes for an
@@ -165,6 +178,7 @@ def test_the_tools_that_run_deepspeed_are_as_quiet_as_fit(runs, tmp_path, tool):
 
 
 # ---------------------------------------------------------------------- a real full disk, two processes
+@pytest.mark.slow
 def test_a_sharded_write_that_fails_part_way_stops_every_process_alike(runs, tmp_path):
     """The ZeRO-2 run resumed under a file-size limit smaller than its shards (both processes inherit it): the next
     save fails part-way in DeepSpeed's own shard writes on both. Both stop with one message naming the checkpoint,
@@ -198,6 +212,7 @@ def files_of(folder: str) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------- clear errors
+@pytest.mark.slow
 def test_config_parses():
     """configs/finetune_zero.yaml instantiates the strategy and a ZeRO-2 transformer as written."""
     from posttrain.lit.tools.config import PosttrainCLI
@@ -243,12 +258,14 @@ def card(stage=None, **zero) -> dict:
     return {"text_encoder": {"arch": "umt5"}, "vae": {"arch": "wan_vae"}, "transformer": transformer}
 
 
+@pytest.mark.slow
 def test_sharded_expert_needs_the_sharding_strategy():
     with pytest.raises(ValueError, match=r"experts \['transformer'\] have `sharded: true`.*"
                                          r"posttrain.lit.engine.strategy.ShardedExpertsStrategy"):
         _fit_in_process(card(2), strategy="auto")
 
 
+@pytest.mark.slow
 def test_zero_config_rejected_by_deepspeed():
     from posttrain.lit.engine.strategy import validate_zero_configs
     from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
@@ -283,11 +300,13 @@ def one_process():
     deepspeed.comm.comm.cdb = None
 
 
+@pytest.mark.slow
 def test_resume_with_other_stage_is_refused(runs, one_process, tmp_path):
     with pytest.raises(ValueError, match=r"expert 'transformer': checkpoint has ZeRO stage 3, this run 2"):
         _fit_in_process(card(2), one_process(), ckpt_path=h.last(runs["z3"]), callbacks=[resuming(tmp_path)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["z2", "z3"])
 def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage, caplog, tmp_path):
     """A ZeRO-2/3 checkpoint written by 2 processes at iteration 2 resumes on 1 with no conversion by hand: its shards
@@ -330,6 +349,7 @@ def test_two_process_checkpoint_resumes_on_one_process(runs, one_process, stage,
     assert sorted(os.listdir(os.path.dirname(written))) == beside
 
 
+@pytest.mark.slow
 def test_resume_with_other_expert_set_is_refused(runs, one_process, tmp_path):
     """The DDP-run card (transformer not sharded) differs from the ZeRO-3 checkpoint's."""
     with pytest.raises(ValueError, match=r"expert 'transformer' differs: checkpoint .*'sharded': True"), \
@@ -337,6 +357,7 @@ def test_resume_with_other_expert_set_is_refused(runs, one_process, tmp_path):
         _fit_in_process(card(None), one_process(), ckpt_path=h.last(runs["z3"]), callbacks=[resuming(tmp_path)])
 
 
+@pytest.mark.slow
 def test_frozen_zero3_expert_bf16_and_offload(one_process):
     """One card with every other option: a frozen ZeRO-3 text encoder (an inference engine, rebuilt on
     resume, never checkpointed) and a bf16 ZeRO-3 transformer with optimizer and parameter CPU offload.
@@ -367,6 +388,7 @@ def test_frozen_zero3_expert_bf16_and_offload(one_process):
     assert torch.isfinite(trainer.logged_metrics["train/grad_norm/transformer"])
 
 
+@pytest.mark.slow
 def test_a_damaged_zero_shard_is_refused_and_last_falls_back(runs, tmp_path):
     """A ZeRO shard of the newest checkpoint with flipped bytes: verifying it names the shard file (before
     DeepSpeed reads anything), and ``last`` falls back to the earlier checkpoint, saying so."""
@@ -389,6 +411,7 @@ def test_a_damaged_zero_shard_is_refused_and_last_falls_back(runs, tmp_path):
     assert any("verifies instead" in line and shards[0] in line for line in said), said
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_sharded_save_keeps_the_earlier_checkpoint(one_process, tmp_path, monkeypatch):
     """ENOSPC while the ZeRO-3 checkpoint's Lightning state is written: every process stops the save with the
     folder named and the fix, the temporary folder is removed, and the checkpoint saved before is as it was."""
@@ -418,6 +441,7 @@ def test_full_disk_during_a_sharded_save_keeps_the_earlier_checkpoint(one_proces
             checkpoints.files_under(str(tmp_path / "good.ckpt"))} == saves.before
 
 
+@pytest.mark.slow
 def test_zero3_experts_from_stored_weights_are_built_partitioned(one_process, tmp_path):
     """A ZeRO-3 expert with stored weights is built from its folder's config under ``zero.Init`` (partitioned
     from construction, never whole on a process) and filled module by module from the safetensors: a
@@ -473,6 +497,7 @@ def test_zero3_experts_from_stored_weights_are_built_partitioned(one_process, tm
     assert trainer.global_step == 1 and not built_whole
 
 
+@pytest.mark.slow
 def test_resume_at_other_world_size_from_universal_checkpoint(runs, one_process, tmp_path):
     """Follow the error's instructions: convert the 2-process ZeRO-3 shards with ds_to_universal, set
     ``load_universal``, resume on 1 process: the weights arrive exactly and training goes on."""
