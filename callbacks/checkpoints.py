@@ -16,13 +16,16 @@ Lightning's ``ModelCheckpoint`` with these changes (same arguments; configs name
 - when a validation follows that iteration, the checkpoint is taken at the validation's end, so a resume neither
   skips that validation's metrics nor miscounts Lightning's loops;
 - with ``save_last``, a fit that ends off the cadence (``max_steps`` not a multiple of ``every_n_train_steps``)
-  checkpoints its final iteration too.
+  checkpoints its final iteration too;
+- a run that serves a generator trained through a LoRA adapter writes that adapter alone into every checkpoint, as
+  ``adapter/`` (bfloat16, diffusers and original key names: ``modules/io/lora.py``), inside the folder before its
+  manifest, so it is verified and committed with the checkpoint.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Sequence
 from weakref import proxy
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -32,6 +35,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from posttrain.modules.io import checkpoints as ckpt
+from posttrain.modules.io import lora
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
@@ -42,13 +46,18 @@ class ModelCheckpoint(LightningModelCheckpoint):
     """
 
     def __init__(self, *args: Any, enable_version_counter: bool = False, keep_last: Optional[int] = None,
+                 adapter_formats: Optional[Sequence[Literal["diffusers", "comfyui"]]] = None,
                  **kwargs: Any):
         """``keep_last``: keep only the newest k checkpoints of the folder (and whatever ``last.ckpt`` points to);
-        None keeps what ``save_top_k`` keeps (with no ``monitor``, Lightning allows only -1, 0 and 1)."""
+        None keeps what ``save_top_k`` keeps (with no ``monitor``, Lightning allows only -1, 0 and 1).
+        ``adapter_formats``: the files of a LoRA run's ``adapter/``; None: every format the generator's family has
+        (diffusers and comfyui for Wan and FLUX); empty: no ``adapter/``."""
         super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"ModelCheckpoint: keep_last={keep_last} must be >= 1 (or null: keep all)")
         self.keep_last = keep_last
+        self.adapter_formats = None if adapter_formats is None else tuple(adapter_formats)
+        self._left_out: set[str] = set()  # formats that failed once (a layer without an original name): not retried
         self._cleaned = False
         self._wrote = False  # whether this fit wrote a checkpoint (only then can `last` be the failed run's)
         self._pending_removals: list[str] = []
@@ -145,14 +154,47 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if trainer.is_global_zero and not self._cleaned:
             ckpt.clean_stale(self._checkpoint_dir(trainer))  # what killed saves left behind
         self._cleaned = True
-        meta = {"wandb_run_id": wandb_run_id_of(trainer)}
-        trainer.save_checkpoint(filepath, self.save_weights_only, storage_options={ckpt.META_OPTION: meta})
+        options: dict[str, Any] = {ckpt.META_OPTION: {"wandb_run_id": wandb_run_id_of(trainer)}}
+        adapters = self._adapters(trainer)
+        if adapters is not None:
+            options[ckpt.EXTRA_OPTION] = adapters
+        trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=options)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         self._wrote = True
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def _adapters(self, trainer):
+        """The writer of ``adapter/`` into a checkpoint's temporary folder (``ckpt.write_checkpoint``'s ``extra``):
+        the LoRA adapter of each generator the run serves (the EMA copy's when it keeps one), computed now, before
+        the write; None on other processes and for a run without one. One served adapter fills ``adapter/``, several
+        (a workflow) ``adapter/<expert>/``."""
+        module = trainer.lightning_module
+        if not trainer.is_global_zero or self.adapter_formats == () or not hasattr(module, "card"):
+            return None
+        prepared = []
+        for adapter in lora.card_adapters(module.card, module.serving_settings()):
+            formats = [f for f in self.adapter_formats or lora.formats_of(adapter.arch) if f not in self._left_out]
+            if not formats:
+                continue
+            try:
+                prepared.append(lora.prepare(adapter, formats))
+            except ValueError as err:  # no original name for a layer: warned once, that file left out from now on
+                self._left_out.add("comfyui")
+                rank_zero_warn(f"checkpoint {lora.FOLDER}/ of {adapter.expert!r}: {err}; its comfyui file is left "
+                               f"out of every checkpoint of this run")
+                if formats != ["comfyui"]:
+                    prepared.append(lora.prepare(adapter, [f for f in formats if f != "comfyui"]))
+        if not prepared:
+            return None
+
+        def write(temp: str) -> None:
+            for files in prepared:
+                folder = os.path.join(temp, lora.FOLDER)
+                files.write(folder if len(prepared) == 1 else os.path.join(folder, files.adapter.expert))
+        return write
 
     def _save_last_checkpoint(self, trainer, monitor_candidates: dict) -> None:
         """Point ``last.ckpt`` at this iteration's checkpoint, writing a hidden one if top-k wrote none."""

@@ -111,6 +111,7 @@ def test_exported_pipeline_reproduces_predict(tmp_path, guidance, unipc):
     assert any(not torch.equal(exported[k], raw[k]) for k in raw)
 
 
+@pytest.mark.slow
 def test_export_loads_without_posttrain(tmp_path):
     """The single-model export through the CLI, loaded by a fresh interpreter that never imports posttrain."""
     module, ckpt = trained(tmp_path, "run")
@@ -140,8 +141,8 @@ def test_export_loads_without_posttrain(tmp_path):
 
 @pytest.mark.parametrize("ema", [False, True], ids=["raw", "ema"])
 def test_lora_exports_as_the_adapter_file_and_merged(tmp_path, ema):
-    """A LoRA-trained generator: the pipeline folder holds the base weights and the adapter file that
-    ``pipe.load_lora_weights`` reads — together they reproduce predict (max |Δ latents| < 1e-4, float32);
+    """A LoRA-trained generator exported ``with_base`` in float32: the pipeline folder holds the base weights and the
+    adapter file that ``pipe.load_lora_weights`` reads — together they reproduce predict (max |Δ latents| < 1e-4);
     ``--lora merged`` alone does too. With EMA (``configs/finetune.yaml``'s default) the run serves
     ``transformer_ema``, a copy that carries its own adapter: that adapter is what is exported."""
     module, ckpt = trained(tmp_path, "lora", ema=ema, lora=LoraConfig(rank=4, alpha=4.0))
@@ -155,7 +156,7 @@ def test_lora_exports_as_the_adapter_file_and_merged(tmp_path, ema):
     with _adapters_off(module.card[module.serving_transformer]):
         base = module.generate(PROMPTS, seed=3, latents_only=True)
     assert (ours - base).abs().max() > 1e-4  # the adapter trained: it matters
-    pipe = WanPipeline.from_pretrained(export(ckpt, str(tmp_path / "adapter")))
+    pipe = WanPipeline.from_pretrained(export(ckpt, str(tmp_path / "adapter"), with_base=True, dtype="float32"))
     assert "pytorch_lora_weights.safetensors" in os.listdir(tmp_path / "adapter")
     assert (pipeline_latents(pipe, module, seed=3) - base).abs().max() < 1e-4  # base weights alone
     pipe.load_lora_weights(str(tmp_path / "adapter"))

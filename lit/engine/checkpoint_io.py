@@ -19,7 +19,8 @@ class VerifiedCheckpointIO(CheckpointIO):
     loader (``ckpt.load``: a ZeRO checkpoint's shards gathered for validate / predict)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        ckpt.write_checkpoint(checkpoint, str(path), meta=storage_meta(storage_options))
+        ckpt.write_checkpoint(checkpoint, str(path), meta=storage_meta(storage_options),
+                              extra=storage_extra(storage_options))
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None):
         return ckpt.load(str(path))
@@ -31,6 +32,11 @@ class VerifiedCheckpointIO(CheckpointIO):
 def storage_meta(storage_options: Optional[Any]) -> Optional[dict]:
     """The extra manifest fields the checkpoint callback passes in ``storage_options``."""
     return storage_options.get(ckpt.META_OPTION) if isinstance(storage_options, dict) else None
+
+
+def storage_extra(storage_options: Optional[Any]):
+    """The writer of further checkpoint files (a LoRA run's ``adapter/``) the checkpoint callback passes."""
+    return storage_options.get(ckpt.EXTRA_OPTION) if isinstance(storage_options, dict) else None
 
 
 def install_checkpoint_io(strategy) -> None:

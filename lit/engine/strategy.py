@@ -48,7 +48,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from posttrain.lit.engine.checkpoint_io import storage_meta
+from posttrain.lit.engine.checkpoint_io import storage_extra, storage_meta
 from posttrain.lit.engine.resume import check_signature
 from posttrain.modules.io import checkpoints as ckpt
 from posttrain.modules.models import presets
@@ -278,7 +278,8 @@ class ShardedExpertsStrategy(DDPStrategy):
                              folders=tuple(os.path.join(name, TAG) for name in self.trained_engines),
                              files={META: meta})
         ckpt.write_checkpoint(checkpoint, str(filepath), shards=shards,
-                              meta={"world_size": self.world_size, **(storage_meta(storage_options) or {})})
+                              meta={"world_size": self.world_size, **(storage_meta(storage_options) or {})},
+                              extra=storage_extra(storage_options))
 
     def _save_engines(self, temp: str) -> None:
         """Every trained engine's ``save_checkpoint`` into ``temp``. A write that fails there (its files are written

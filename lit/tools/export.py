@@ -11,10 +11,13 @@ call the pipeline with (steps, guidance, text length, size).
 
 - ``--pipeline false`` writes one model folder (``WanTransformer3DModel.from_pretrained(out)``); any
   expert exports this way (``--expert refiner_0`` gives a ``Qwen2ForCausalLM`` folder).
-- A LoRA-trained generator exports its base weights plus ``pytorch_lora_weights.safetensors``, the
-  file ``pipe.load_lora_weights(out)`` reads; ``--lora merged`` fuses the adapter into the weights.
-- ``--dtype bfloat16`` casts the weights but keeps in float32 the modules the class keeps there
-  (``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=...)`` does.
+- A LoRA-trained generator exports its **adapter alone** (``modules/io/lora.py``), bfloat16:
+  ``pytorch_lora_weights.safetensors`` (PEFT keys, what ``pipe.load_lora_weights(out)`` reads),
+  ``comfyui_lora.safetensors`` (the original checkpoint's key names, what ComfyUI loads; ``--format`` picks) and
+  ``adapter.json`` (rank, alpha, target modules, the base weights' source). ``--with_base true`` writes the base
+  weights (pipeline or model folder) with the adapter files beside them; ``--lora merged`` fuses the adapter into them.
+- ``--dtype``: the adapter is bfloat16 and whole weights float32 unless it is given; ``bfloat16`` keeps in float32
+  the modules the class keeps there (``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=...)`` does.
 
     posttrain export --ckpt runs/finetune/checkpoints/last.ckpt --out exported/finetune
 """
@@ -27,15 +30,16 @@ from typing import Any, Literal, Optional
 import torch
 
 from posttrain.modules.io import checkpoints
-
+from posttrain.modules.io import lora as adapter_lora
 from posttrain.modules.models import presets
 from posttrain.modules.models.cards import dtype_of
 from posttrain.modules.models.generators import ADAPTERS
 
 
 def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = True,
-           lora: Literal["adapter", "merged"] = "adapter", dtype: Literal["float32", "bfloat16"] = "float32",
-           overwrite: bool = False) -> str:
+           lora: Literal["adapter", "merged"] = "adapter", with_base: bool = False,
+           format: Optional[Literal["diffusers", "comfyui", "both"]] = None,
+           dtype: Optional[Literal["float32", "bfloat16"]] = None, overwrite: bool = False) -> str:
     """Write what checkpoint ``ckpt`` trained to folder ``out``.
 
     Args:
@@ -43,8 +47,13 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         out: the folder to write (must be empty or new unless ``overwrite``).
         expert: the component to export; None = the transformer the run serves (its EMA when kept).
         pipeline: a generator as a whole diffusers pipeline folder; false writes the model alone.
-        lora: a LoRA-trained expert as base weights + adapter file (``adapter``) or fused (``merged``).
-        dtype: dtype of the written weights (float32-kept modules stay float32).
+        lora: a LoRA-trained generator as its adapter (``adapter``) or fused into its weights (``merged``).
+        with_base: with ``lora: adapter``, write the base weights too (a pipeline or model folder, as ``pipeline``
+            says) with the adapter files beside them; false writes the adapter alone.
+        format: the adapter's files: ``diffusers`` (PEFT keys), ``comfyui`` (the original checkpoint's key names),
+            or ``both``; None = every format its family has (both for Wan and FLUX, diffusers for SD3).
+        dtype: dtype of the written weights (float32-kept modules stay float32); None = bfloat16 for an adapter,
+            float32 for whole weights.
         overwrite: allow writing into a non-empty ``out``.
     """
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -66,25 +75,30 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         raise ValueError(f"export: checkpoint has no component {name!r}; --expert is one of {sorted(meta['configs'])}")
     if stages is not None:
         serving = stages.get(name, {})
-    torch_dtype = dtype_of(dtype)
+    weights_dtype = dtype_of(dtype or "float32")
     model = parts.model(name)
     adapter = ADAPTERS.get(parts.arch(name))
-    lora_layers = None
+    lora_files = None  # the adapter's files, ready to write
     if parts.lora(name) is not None:
-        from peft.utils import get_peft_model_state_dict
-
         if adapter is None and lora != "merged":
             raise ValueError(f"export: {name!r} ({parts.arch(name)}) has a LoRA adapter; export it with --lora merged")
         if lora == "merged":
             model.fuse_lora(lora_scale=1.0)
         else:
-            lora_layers = get_peft_model_state_dict(model)
+            formats = {None: adapter_lora.formats_of(parts.arch(name)), "both": adapter_lora.FORMATS}.get(
+                format, (format,))
+            trained = adapter_lora.adapter_of(model, name, parts.arch(name), parts.source(name))
+            lora_files = adapter_lora.prepare(trained, formats, dtype_of(dtype or "bfloat16"))
         model.unload_lora()
     os.makedirs(out, exist_ok=True)
+    if lora_files is not None and not with_base:  # the adapter alone, and the settings to serve it with
+        lora_files.write(out)
+        _write_serving(out, adapter, adapter.pipeline_class(), name, serving)
+        return out
     if not (pipeline and adapter is not None):
-        presets.cast(model, torch_dtype).save_pretrained(out, safe_serialization=True)
-        if lora_layers is not None:
-            _save_lora(adapter, out, lora_layers)
+        presets.cast(model, weights_dtype).save_pretrained(out, safe_serialization=True)
+        if lora_files is not None:
+            lora_files.write(out)
         return out
     # the whole pipeline: the serving transformer with the card's VAE, text stack (and image encoder) and the
     # run's scheduler, under the pipeline's component names (the adapter's: text_encoder, tokenizer_2, ...)
@@ -97,24 +111,26 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
                                              list(zip(text_encoders, tokenizers)), image_encoder)
     for key, value in components.items():
         if isinstance(value, torch.nn.Module):
-            presets.cast(value, torch_dtype)
+            presets.cast(value, weights_dtype)
     components["scheduler"] = _scheduler(serving)
     pipe = adapter.pipeline(components)
     pipe.save_pretrained(out, safe_serialization=True)
-    if lora_layers is not None:
-        _save_lora(adapter, out, lora_layers)
-    # ``sigmas``: a few-step student's list (pass it to ``scheduler.set_timesteps``); ``chunk_frames``: a
-    # block-causal student's chunk, which the bidirectional pipeline does not reproduce
-    extra = {k: serving[k] for k in ("sigmas", "chunk_frames") if serving.get(k) is not None}
-    with open(os.path.join(out, "serving.json"), "w") as f:
-        json.dump({"pipeline": type(pipe).__name__, "transformer": name, **adapter.pipeline_call(serving), **extra},
-                  f, indent=1)
+    if lora_files is not None:
+        lora_files.write(out)
+    _write_serving(out, adapter, type(pipe), name, serving)
     return out
 
 
-def _save_lora(adapter, out: str, layers: dict[str, torch.Tensor]) -> None:
-    """``pytorch_lora_weights.safetensors`` as the pipeline's ``save_lora_weights`` writes it."""
-    adapter.pipeline_class().save_lora_weights(out, transformer_lora_layers=layers, safe_serialization=True)
+def _write_serving(out: str, adapter, pipeline_class: type, name: str, serving: dict[str, Any]) -> None:
+    """``serving.json``: the pipeline's call that samples as ``predict`` does. ``sigmas``: a few-step student's list
+    (pass it to ``scheduler.set_timesteps``); ``chunk_frames``: a block-causal student's chunk, which the
+    bidirectional pipeline does not reproduce."""
+    if "num_inference_steps" not in serving:  # a checkpoint without serving settings (no generator stage)
+        return
+    extra = {k: serving[k] for k in ("sigmas", "chunk_frames") if serving.get(k) is not None}
+    with open(os.path.join(out, "serving.json"), "w") as f:
+        json.dump({"pipeline": pipeline_class.__name__, "transformer": name, **adapter.pipeline_call(serving),
+                   **extra}, f, indent=1)
 
 
 def _scheduler(serving: dict[str, Any]):

@@ -1,1 +1,2 @@
-"""Files on disk: the checkpoint protocol and its one verified loader, media, precomputed rows, the batch schema."""
+"""Files on disk: the checkpoint protocol and its one verified loader, media, precomputed rows, the batch schema,
+LoRA adapter files."""

@@ -5,6 +5,7 @@ Every checkpoint is a folder ``<name>.ckpt/``, whatever the strategy::
     lightning.pt       the Lightning state (weights, optimizers, loops, RNGs, versions, data position)
     sharded.json       (ShardedExpertsStrategy) ZeRO stage and world size of each sharded expert
     <expert>/zero/...  (ShardedExpertsStrategy) one ``engine.save_checkpoint`` folder per sharded expert
+    adapter/           (a LoRA run, ``callbacks/checkpoints.py``) the served LoRA adapter alone (``modules/io/lora.py``)
     manifest.json      size and SHA-256 of every other file; written last, it marks the folder complete
 
 Writing one checkpoint (the commit-marker protocol of Orbax and torch.distributed.checkpoint):
@@ -65,6 +66,7 @@ CHUNK = 8 << 20
 # folder and ``<expert>/latest_universal``
 ADDED_LATER_FOLDERS, ADDED_LATER_FILES = ("zero_universal",), ("latest_universal",)
 META_OPTION = "posttrain_meta"  # Lightning ``storage_options`` key: extra manifest fields from the checkpoint callback
+EXTRA_OPTION = "posttrain_extra"  # ``storage_options`` key: a writer of further files (``write_checkpoint``'s ``extra``)
 RUN_ID = uuid.uuid4().hex[:12]  # this process's fit attempt; every manifest it writes carries it
 
 
@@ -273,7 +275,7 @@ class Shards:
 
 
 def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optional[dict] = None,
-                     shards: Optional[Shards] = None) -> None:
+                     shards: Optional[Shards] = None, extra: Optional[Callable[[str], Any]] = None) -> None:
     """Write ``checkpoint`` as a complete checkpoint folder at ``destination``: the one write sequence (steps 1-3 of
     the protocol above). Alone by default; with ``shards``, every process of ``shards.processes`` calls this with the
     same destination: each writes its shards into the temporary folder, process 0 writes ``lightning.pt``, each
@@ -281,7 +283,9 @@ def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optiona
 
     A failed write (a full disk, a file-size limit, anything, on any process) removes its temporary folder, leaves
     every earlier checkpoint as it was and raises ``CheckpointError`` on every process, naming the destination, the
-    cause (and the process that failed) and the fix. ``meta``: extra manifest fields."""
+    cause (and the process that failed) and the fix. ``meta``: extra manifest fields. ``extra``: called by process 0
+    with the temporary folder after ``lightning.pt``, to write further files there (a LoRA run's ``adapter/``); they
+    are hashed into the manifest like every other file."""
     processes = shards.processes if shards is not None else Processes()
     lead = processes.rank == 0
     temp = temp_path(destination, processes.broadcast(new_token() if lead else None))
@@ -303,6 +307,8 @@ def write_checkpoint(checkpoint: dict[str, Any], destination: str, meta: Optiona
         with _agreed(processes, temp, destination):
             if lead:
                 hashed[STATE] = save_state(checkpoint, os.path.join(temp, STATE))
+                if extra is not None:
+                    extra(temp)
                 for rel, value in (shards.files if shards is not None else {}).items():
                     with open(os.path.join(temp, rel), "w") as f:
                         json.dump(value, f, indent=1)

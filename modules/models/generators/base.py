@@ -133,6 +133,42 @@ class Architecture:
 
 
 @dataclass(frozen=True)
+class LoraName:
+    """One rule of a family's original LoRA naming (``OriginalLoraNames``): the diffusers module whose name fully
+    matches the regex ``diffusers`` is the original checkpoint's module ``original`` (a template: ``\\1`` is the
+    regex's first group, a block number).
+
+    Args:
+        part, parts: the original module fuses ``parts`` diffusers modules (FLUX's ``img_attn.qkv`` is ``to_q``,
+            ``to_k``, ``to_v``), stacked on its output rows in that order; this one is part ``part``.
+        alpha: the original file's ``.alpha`` of this module is read by diffusers' converter (else its scale is
+            folded into ``lora_up`` / ``lora_B`` and no ``.alpha`` is written).
+        swap_halves: the original module's output holds the two halves of the diffusers one swapped (FLUX's final
+            modulation: shift, scale against diffusers' scale, shift).
+    """
+
+    diffusers: str
+    original: str
+    part: int = 0
+    parts: int = 1
+    alpha: bool = True
+    swap_halves: bool = False
+
+
+@dataclass(frozen=True)
+class OriginalLoraNames:
+    """How LoRA files in the original checkpoint's key names (what ComfyUI and the model's own repository load)
+    name a family's layers: ``<prefix><original module>.<down|up>.weight`` and ``<prefix><original module>.alpha``.
+    ``modules/io/lora.py`` writes them; diffusers' ``load_lora_weights`` converts them back
+    (``diffusers/loaders/lora_conversion_utils.py``)."""
+
+    prefix: str
+    down: str
+    up: str
+    names: tuple[LoraName, ...]
+
+
+@dataclass(frozen=True)
 class VideoSize:
     """Pixel size of what a method generates (rollouts, sample videos, ``predict``). An image is a
     one-frame video. Wan's VAE needs ``frames = 4k + 1``; height and width must be multiples of the VAE's
@@ -223,6 +259,8 @@ class GeneratorAdapter:
     reads: str = "its text encoders"
     #: whether the conditioning holds an image (the first frame of the video to generate)
     takes_image: bool = False
+    #: the original checkpoint's names of its LoRA layers (``posttrain export --format comfyui``); None: not known
+    original_lora: Optional[OriginalLoraNames] = None
 
     def text_encoder_problems(self, stage: Stage, archs: list[str]) -> list[str]:
         """Problems of the stage's text encoders, whose ``arch`` are ``archs`` (in the order of ``text_encoders``)."""

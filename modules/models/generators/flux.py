@@ -5,8 +5,8 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-from posttrain.modules.models.generators.base import (TEXT_DIM, Architecture, Card, GeneratorAdapter, VAECodec, _config,
-                                                      _dtype, codec_of)
+from posttrain.modules.models.generators.base import (TEXT_DIM, Architecture, Card, GeneratorAdapter, LoraName,
+                                                      OriginalLoraNames, VAECodec, _config, _dtype, codec_of)
 
 
 def clip_pooled_embeds(tokenizer, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
@@ -35,6 +35,46 @@ def t5_states(card: Card, encoder: str, prompts: list[str]) -> torch.Tensor:
     return t5_embeds(card.tokenizers[encoder], card[encoder], prompts, card.text_max_length)
 
 
+# The original FLUX.1 checkpoint's module names (Black Forest Labs' ``Flux``; ComfyUI's) of the layers a LoRA can target,
+# and their diffusers names: what diffusers' ``_convert_kohya_flux_lora_to_diffusers`` reads (its ComfyUI branch:
+# ``diffusion_model.`` keys with lora_down / lora_up), inverted. The original fuses q, k, v (and a single block's MLP
+# input) into one layer: their adapters stack on its rows, block-diagonal in lora_up. That converter splits a single
+# block's ``linear1`` at FLUX.1's own widths (3072 × 3 + 12288) and reads no ``.alpha`` of the final layer (folded).
+_DOUBLE, _SINGLE = r"transformer_blocks\.(\d+)\.", r"single_transformer_blocks\.(\d+)\."
+FLUX_LORA_NAMES = OriginalLoraNames(prefix="diffusion_model.", down="lora_down", up="lora_up", names=(
+    LoraName(_DOUBLE + r"attn\.to_q", r"double_blocks.\1.img_attn.qkv", part=0, parts=3),
+    LoraName(_DOUBLE + r"attn\.to_k", r"double_blocks.\1.img_attn.qkv", part=1, parts=3),
+    LoraName(_DOUBLE + r"attn\.to_v", r"double_blocks.\1.img_attn.qkv", part=2, parts=3),
+    LoraName(_DOUBLE + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    LoraName(_DOUBLE + r"attn\.add_q_proj", r"double_blocks.\1.txt_attn.qkv", part=0, parts=3),
+    LoraName(_DOUBLE + r"attn\.add_k_proj", r"double_blocks.\1.txt_attn.qkv", part=1, parts=3),
+    LoraName(_DOUBLE + r"attn\.add_v_proj", r"double_blocks.\1.txt_attn.qkv", part=2, parts=3),
+    LoraName(_DOUBLE + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    LoraName(_DOUBLE + r"ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.0"),
+    LoraName(_DOUBLE + r"ff\.net\.2", r"double_blocks.\1.img_mlp.2"),
+    LoraName(_DOUBLE + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
+    LoraName(_DOUBLE + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
+    LoraName(_DOUBLE + r"norm1\.linear", r"double_blocks.\1.img_mod.lin"),
+    LoraName(_DOUBLE + r"norm1_context\.linear", r"double_blocks.\1.txt_mod.lin"),
+    LoraName(_SINGLE + r"attn\.to_q", r"single_blocks.\1.linear1", part=0, parts=4),
+    LoraName(_SINGLE + r"attn\.to_k", r"single_blocks.\1.linear1", part=1, parts=4),
+    LoraName(_SINGLE + r"attn\.to_v", r"single_blocks.\1.linear1", part=2, parts=4),
+    LoraName(_SINGLE + r"proj_mlp", r"single_blocks.\1.linear1", part=3, parts=4),
+    LoraName(_SINGLE + r"proj_out", r"single_blocks.\1.linear2"),
+    LoraName(_SINGLE + r"norm\.linear", r"single_blocks.\1.modulation.lin"),
+    LoraName(r"x_embedder", "img_in"),
+    LoraName(r"context_embedder", "txt_in"),
+    LoraName(r"time_text_embed\.timestep_embedder\.linear_1", "time_in.in_layer"),
+    LoraName(r"time_text_embed\.timestep_embedder\.linear_2", "time_in.out_layer"),
+    LoraName(r"time_text_embed\.text_embedder\.linear_1", "vector_in.in_layer"),
+    LoraName(r"time_text_embed\.text_embedder\.linear_2", "vector_in.out_layer"),
+    LoraName(r"time_text_embed\.guidance_embedder\.linear_1", "guidance_in.in_layer"),
+    LoraName(r"time_text_embed\.guidance_embedder\.linear_2", "guidance_in.out_layer"),
+    LoraName(r"norm_out\.linear", "final_layer.adaLN_modulation.1", alpha=False, swap_halves=True),
+    LoraName(r"proj_out", "final_layer.linear", alpha=False),
+))
+
+
 class Flux(GeneratorAdapter):
     """FLUX text-to-image (``FluxPipeline``): CLIP's pooled vector and T5's token states as text, 2×2
     patches of the latents packed into tokens with (0, row, column) position ids, the timestep as σ
@@ -44,6 +84,7 @@ class Flux(GeneratorAdapter):
     text_encoders = ("text_encoder", "text_encoder_2")
     text_encoder_archs = ("clip", "t5")
     reads = "a CLIP text encoder (pooled) then a T5 encoder"
+    original_lora = FLUX_LORA_NAMES
     # what guidance-distilled weights embed unless the stage says otherwise: FluxPipeline's default guidance_scale
     embedded_guidance = 3.5
 

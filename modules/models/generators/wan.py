@@ -7,8 +7,9 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from posttrain.modules.models.causal_wan import CausalWanTransformer3DModel
-from posttrain.modules.models.generators.base import (TEXT_DIM, Architecture, Card, GeneratorAdapter, Stage, VAECodec,
-                                                      VideoSize, _config, _dtype, codec_of)
+from posttrain.modules.models.generators.base import (TEXT_DIM, Architecture, Card, GeneratorAdapter, LoraName,
+                                                      OriginalLoraNames, Stage, VAECodec, VideoSize, _config, _dtype,
+                                                      codec_of)
 
 
 def wan_tokens(tokenizer, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +35,35 @@ def umt5_embeds(card: Card, encoder: str, prompts: list[str]) -> torch.Tensor:
     return wan_text_states(card[encoder], *wan_tokens(card.tokenizers[encoder], prompts, card.text_max_length))
 
 
+# The original Wan 2.1 checkpoint's module names (the Wan repository's ``WanModel``; ComfyUI's) of the layers a LoRA can
+# target, and their diffusers names: what diffusers' ``_convert_non_diffusers_wan_lora_to_diffusers`` reads, inverted.
+# That converter reads ``.alpha`` inside the blocks only; elsewhere the scale is folded into lora_B. ``patch_embedding``
+# (a Conv3d) keeps its name; ComfyUI reads it, diffusers' converter does not.
+WAN_LORA_NAMES = OriginalLoraNames(prefix="diffusion_model.", down="lora_A", up="lora_B", names=(
+    LoraName(r"blocks\.(\d+)\.attn1\.to_q", r"blocks.\1.self_attn.q"),
+    LoraName(r"blocks\.(\d+)\.attn1\.to_k", r"blocks.\1.self_attn.k"),
+    LoraName(r"blocks\.(\d+)\.attn1\.to_v", r"blocks.\1.self_attn.v"),
+    LoraName(r"blocks\.(\d+)\.attn1\.to_out\.0", r"blocks.\1.self_attn.o"),
+    LoraName(r"blocks\.(\d+)\.attn2\.to_q", r"blocks.\1.cross_attn.q"),
+    LoraName(r"blocks\.(\d+)\.attn2\.to_k", r"blocks.\1.cross_attn.k"),
+    LoraName(r"blocks\.(\d+)\.attn2\.to_v", r"blocks.\1.cross_attn.v"),
+    LoraName(r"blocks\.(\d+)\.attn2\.to_out\.0", r"blocks.\1.cross_attn.o"),
+    LoraName(r"blocks\.(\d+)\.attn2\.add_k_proj", r"blocks.\1.cross_attn.k_img"),  # Wan 2.1 I2V: the image tokens
+    LoraName(r"blocks\.(\d+)\.attn2\.add_v_proj", r"blocks.\1.cross_attn.v_img"),
+    LoraName(r"blocks\.(\d+)\.ffn\.net\.0\.proj", r"blocks.\1.ffn.0"),
+    LoraName(r"blocks\.(\d+)\.ffn\.net\.2", r"blocks.\1.ffn.2"),
+    LoraName(r"condition_embedder\.text_embedder\.linear_1", "text_embedding.0", alpha=False),
+    LoraName(r"condition_embedder\.text_embedder\.linear_2", "text_embedding.2", alpha=False),
+    LoraName(r"condition_embedder\.time_embedder\.linear_1", "time_embedding.0", alpha=False),
+    LoraName(r"condition_embedder\.time_embedder\.linear_2", "time_embedding.2", alpha=False),
+    LoraName(r"condition_embedder\.time_proj", "time_projection.1", alpha=False),
+    LoraName(r"condition_embedder\.image_embedder\.ff\.net\.0\.proj", "img_emb.proj.1", alpha=False),
+    LoraName(r"condition_embedder\.image_embedder\.ff\.net\.2", "img_emb.proj.3", alpha=False),
+    LoraName(r"proj_out", "head.head", alpha=False),
+    LoraName(r"patch_embedding", "patch_embedding"),
+))
+
+
 class WanT2V(GeneratorAdapter):
     """Wan 2.1 text-to-video (``WanPipeline``): UMT5 hidden states, zero beyond each prompt's tokens.
 
@@ -44,6 +74,7 @@ class WanT2V(GeneratorAdapter):
 
     text_encoder_archs = ("umt5",)
     reads = "a UMT5 text encoder"
+    original_lora = WAN_LORA_NAMES
 
     def pipeline_class(self):
         from diffusers import WanPipeline
