@@ -41,6 +41,7 @@ def blocks_of(baseline: list[float], candidate: list[float]) -> timing.Blocks:
     return out
 
 
+@pytest.mark.slow
 def test_median_interval_order_statistics():
     """n = 20: P(Binomial(20, 1/2) <= 5) = 21700/2^20 = 0.0207, so the 6th smallest and 6th largest
     bound the median with 1 - 2·0.0207 = 0.9586 >= 95% (the 7th would give 0.885)."""
@@ -52,12 +53,14 @@ def test_median_interval_order_statistics():
     assert (lo, hi, coverage) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
 
 
+@pytest.mark.slow
 def test_paired_ratio_brackets_each_candidate_block():
     """Baseline drifts 10 -> 12 -> 14; candidate 11 and 13 sit exactly on the drift: ratios 1, 1."""
     b = blocks_of([10.0, 12.0, 14.0], [11.0, 13.0])
     assert timing.paired_ratios(b, "wall") == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_verdict_says_too_noisy_when_the_interval_holds_one():
     # ratios 0.8, 1.3, 0.9, 1.2, 1.0, 1.25, 0.85: median 1.0, noise +-30%
     cand = [0.8, 1.3, 0.9, 1.2, 1.0, 1.25, 0.85]
@@ -67,6 +70,7 @@ def test_verdict_says_too_noisy_when_the_interval_holds_one():
     assert "too noisy" in verdict and "undecided" in verdict and "= " not in verdict.split(";")[0]
 
 
+@pytest.mark.slow
 def test_verdict_gives_ratio_and_goal_when_resolved():
     cand = [1.10, 1.12, 1.11, 1.13, 1.09, 1.10, 1.12]  # all above 1: resolved, and above 1.03: missed
     c = timing.compare(blocks_of([1.0] * 8, cand), goal=1.03)
@@ -79,6 +83,7 @@ def test_verdict_gives_ratio_and_goal_when_resolved():
     assert "undecided" in c.verdict("wall")
 
 
+@pytest.mark.slow
 def test_blocks_refuse_out_of_turn():
     b = timing.Blocks("base", "cand")
     with pytest.raises(RuntimeError, match="out of turn"):
@@ -88,6 +93,7 @@ def test_blocks_refuse_out_of_turn():
         b.record("base", 1.0, 1.0, 1)
 
 
+@pytest.mark.slow
 def test_interleave_alternates_and_counts():
     calls: list[str] = []
     b = timing.interleave(lambda: calls.append("b"), lambda: calls.append("c"), blocks=3, per_block=2, warmup=1)
@@ -149,6 +155,7 @@ def finetune_logged(monkeypatch, gate: bool, iterations: int = 12, every: int = 
     return recorder.rows, calls, {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
+@pytest.mark.slow
 def test_skipped_logs_change_nothing_a_logger_gets(monkeypatch, one_thread):
     """12 iterations, log_every_n_steps=5: the logger gets the same steps and values either way, a metric
     logged in other iterations too; Lightning's log runs in iterations 5, 10 and 12 (the last) only."""
@@ -164,6 +171,7 @@ def test_skipped_logs_change_nothing_a_logger_gets(monkeypatch, one_thread):
     assert len(calls) == 3 * per_iteration + 2, calls  # + the two sporadic values, each logged once
 
 
+@pytest.mark.slow
 def test_logs_outside_training_steps_are_never_skipped(monkeypatch, one_thread):
     """Validation metrics (on_epoch) reach callback_metrics whatever the iteration."""
     module = Finetune(wan_card(), ema_decay=None)
@@ -173,6 +181,7 @@ def test_logs_outside_training_steps_are_never_skipped(monkeypatch, one_thread):
 
 
 # ---------------------------------------------------------------------- sync plans
+@pytest.mark.slow
 @pytest.mark.parametrize("decay", [0.0, 0.9])
 def test_fused_sync_plan_equals_per_tensor_lerp(decay):
     card = wan_card()
@@ -190,6 +199,7 @@ def test_fused_sync_plan_equals_per_tensor_lerp(decay):
         assert all(torch.equal(got[n], p) for n, p in card["transformer"].named_parameters())
 
 
+@pytest.mark.slow
 def test_sync_plan_follows_a_module_the_card_replaced():
     """The plan resolves its tensor pairs once per pair of modules: a second apply writes into the same EMA, and
     after the card holds a new EMA module the plan writes into that one, not into the old module's tensors."""
@@ -211,6 +221,7 @@ def test_sync_plan_follows_a_module_the_card_replaced():
 
 
 # ---------------------------------------------------------------------- noise_scale.py
+@pytest.mark.slow
 def test_gradient_noise_scale_recovers_a_known_one():
     """Gradients g_i = G + unit noise in P dimensions have B = P / |G|² exactly: the estimate lands near it, its
     interval holds it, the cosine of two draws is about 1 / (1 + B), and pure noise gives an interval open to ∞."""
@@ -248,6 +259,7 @@ def run_bench(name: str, *args: str, timeout: int = 600) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_overhead_bench_runs(tmp_path):
     out = run_bench("bench.overhead", "--blocks", "3", "--per-block", "2", "--warmup", "2",
                     "--workdir", str(tmp_path))
@@ -255,12 +267,14 @@ def test_overhead_bench_runs(tmp_path):
     assert out.count("verdict:") == 2 and "goal <= 1.03" in out
 
 
+@pytest.mark.slow
 def test_rollout_bench_runs():
     out = run_bench("bench.rollout", "--group-sizes", "2", "--blocks", "2", "--steps", "2", "--iterations", "4")
     assert "speed-up K=2 (sequential/batched)" in out and "forward of 2 rows" in out
     assert "hit rate" in out  # the cache part ran
 
 
+@pytest.mark.slow
 def test_memory_bench_runs():
     import socket
 
@@ -272,28 +286,33 @@ def test_memory_bench_runs():
     assert "memory ratio ZeRO-3 / DDP" in out and "step time ZeRO-3/DDP" in out
 
 
+@pytest.mark.slow
 def test_distill_bench_runs():
     out = run_bench("experiments.distill", "--steps", "2", "--prompts", "8", "--batch", "4", "--blocks", "1")
     assert "time student/teacher" in out
     assert "| teacher = student before training |" in out and "| student after 2 iterations of DMD2 |" in out
 
 
+@pytest.mark.slow
 def test_first_frame_bench_runs():
     out = run_bench("experiments.first_frame", "--prompts", "1")
     assert "1 prompts; chunks of 1 latent frame(s)" in out
     assert "per-channel mean, student's first latent frame:" in out and "first pixel frame" in out
 
 
+@pytest.mark.slow
 def test_decode_bench_runs():
     out = run_bench("bench.decode", "--batch", "1", "--blocks", "1", "--per-block", "1")
     assert "largest pixel difference" in out and "channels_last / stored" in out and "linalg_vector_norm" in out
 
 
+@pytest.mark.slow
 def test_optimizer_bench_runs():
     out = run_bench("bench.optimizer", "--tiny", "--blocks", "1", "--per-block", "1")
     assert "fused/default" in out and "largest difference" in out
 
 
+@pytest.mark.slow
 def test_distill_bench_students_rows(tmp_path):
     """``--students``: a row per student step count on held-out prompts, and the sheet."""
     sheet = tmp_path / "students.png"
@@ -303,6 +322,7 @@ def test_distill_bench_students_rows(tmp_path):
     assert sheet.is_file()
 
 
+@pytest.mark.slow
 def test_distill_bench_times_channels_last_alone():
     """``--channels-last --time-only``: both timings and the channels-last line, no fit and no scores."""
     out = run_bench("experiments.distill", "--students", "2", "--prompts", "2", "--batch", "2", "--blocks", "1",
@@ -310,6 +330,7 @@ def test_distill_bench_times_channels_last_alone():
     assert "VAE channels-last" in out and "| 2 | " in out and "| – | – | – | – |" in out and "steps, seed 0:" not in out
 
 
+@pytest.mark.slow
 def test_reward_server_bench_runs():
     out = run_bench("bench.reward_server", "--reward", "ColourAlignment", "--batch", "4", "--blocks", "1",
                     "--per-block", "1", "--iterations", "1")
@@ -317,6 +338,7 @@ def test_reward_server_bench_runs():
     assert "of which waiting on the reward server" in out
 
 
+@pytest.mark.slow
 def test_gpu_bench_tiny_runs_every_part(tmp_path):
     """The prepared GPU check at its tiny size on the CPU: every part yields figures, none an error."""
     import json
@@ -349,6 +371,7 @@ def test_gpu_bench_tiny_runs_every_part(tmp_path):
                                                    / (student["seconds"] + few["decode_seconds"]))
 
 
+@pytest.mark.slow
 def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_epoch_end(one_thread):
     """Iteration 2 of a 4-batch epoch logs, log_every_n_steps=50: Lightning kept that value in
     callback_metrics through the epoch's end, so the deferred value is logged at the epoch's last batch."""
@@ -364,6 +387,7 @@ def test_a_metric_logged_between_logging_iterations_reaches_callback_metrics_at_
     assert trainer.callback_metrics["train/once"] == 2.0
 
 
+@pytest.mark.slow
 def test_gradient_noise_bench_runs():
     """experiments/gradient_noise.py on both shipped caption-RL configs at learning rate 0, 6 iterations each."""
     out = run_bench("experiments.gradient_noise", "--iterations", "6", "--set", "trainer.log_every_n_steps=1")
@@ -375,6 +399,7 @@ def test_gradient_noise_bench_runs():
         assert 3 <= steps <= of == 6 and float(cells[6]) > 0, row
 
 
+@pytest.mark.slow
 def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(tmp_path):
     """``experiments/request_sheet.py``'s drawing (``bench/sheet.py`` with ``facts`` and ``served``): a request's
     video is judged against the facts the request asks (a fact it leaves out is not judged), so a request fixed by
@@ -397,6 +422,7 @@ def test_the_request_sheet_judges_the_requests_facts_and_shows_what_was_served(t
     assert sheet(str(png), requests, right, wrong, facts=asked, served=served) == ([], [0, 2])
 
 
+@pytest.mark.slow
 def test_distill_held_out_beyond_scores_a_smaller_caption_set_on_a_larger_ones_held_out_set():
     """experiments/distill.py --held-out-beyond N: a config on 64 training captions is scored on the held-out captions
     of one on N = 256 (the synthetic captions of a seed are a prefix of a longer draw), and never on its own."""
@@ -416,6 +442,7 @@ def test_distill_held_out_beyond_scores_a_smaller_caption_set_on_a_larger_ones_h
         fewstep.held_out_prompts(SimpleNamespace(datamodule=Prompts(prompts=["a red circle"])), 4, beyond=256)
 
 
+@pytest.mark.slow
 def test_gpu_bench_samplers_follow_the_config_they_read(tmp_path):
     """``bench/gpu.py``'s few-step part builds its teacher and student samplers from the DMD2 YAML: a copy with
     other steps, CFG and shifts gives those, not the shipped config's."""
@@ -436,6 +463,7 @@ def test_gpu_bench_samplers_follow_the_config_they_read(tmp_path):
     assert student.scheduler.config.shift == 2.0 and student.scheduler.config.stochastic_sampling
 
 
+@pytest.mark.slow
 def test_gan_pull_bench_follows_the_weight():
     """``experiments/gan_pull.py``: a row per GAN weight from the fits' logged ``train/gan_to_dmd_grad``; the first
     student iteration of both fits is the same forward, so the ratio follows the weight (×100 for 100 times it)."""
@@ -445,6 +473,7 @@ def test_gan_pull_bench_follows_the_weight():
 
 
 # ---------------------------------------------------------------------- experiments/distill.py --join
+@pytest.mark.slow
 def test_distill_join_bootstraps_the_students_ratio_to_the_teacher(tmp_path, capsys):
     """``--join`` of per-seed ``--json`` files: a student that shows every prompt the teacher shows reads ratio 1 with
     every draw at or above the 0.95 line; one that shows half the prompts reads 0.5 / 0.9 with none; the interval
@@ -503,6 +532,7 @@ def commands(room: str) -> list[str]:
                   if 'if __name__ == "__main__":' in open(path).read())
 
 
+@pytest.mark.slow
 def test_neither_room_edits_sys_path():
     """Benches and experiments run from the repository root as ``python -m``: they import ``bench`` and each other
     as packages, and neither edits ``sys.path`` (tests/test_layout.py: nothing imports ``experiments/``)."""
@@ -512,6 +542,7 @@ def test_neither_room_edits_sys_path():
     assert not edits, edits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", commands("bench") + commands("experiments"))
 def test_every_bench_and_experiment_runs_as_its_command(name):
     """``python -m <room>.<name> --help`` from the repository root: the script imports as its command runs it (the

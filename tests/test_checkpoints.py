@@ -277,6 +277,7 @@ def cli_config(tmp_path, **checkpoint_args) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "folder", "zero-folder"])
 @pytest.mark.parametrize("command", ["export", "fit", "validate", "predict"])
 def test_payload_checkpoint_never_runs_code(tmp_path, capsys, command, kind):
@@ -322,6 +323,7 @@ def damage(folder, what: str) -> str:
     return ckpt.MANIFEST
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["manifest", "file"])
 def test_every_entry_point_refuses_a_damaged_checkpoint_naming_the_file(run, tmp_path, capsys, monkeypatch, what):
     """A damaged manifest (entries without their hashes), or a changed file, in a real checkpoint folder: resume
@@ -361,6 +363,7 @@ def test_every_entry_point_refuses_a_damaged_checkpoint_naming_the_file(run, tmp
 
 
 # ---------------------------------------------------------------------- a real full disk
+@pytest.mark.slow
 def test_a_write_that_fails_part_way_removes_its_folder_and_names_the_fix(tmp_path):
     """``posttrain fit`` resumed under a file-size limit smaller than a checkpoint: the next checkpoint's write fails
     part-way inside torch's zip writer (EFBIG). The run stops naming the checkpoint, the cause and the fix; its
@@ -545,6 +548,7 @@ def test_loader_resumed_at_another_world_size_continues_after_the_same_samples(r
     assert (f"{again} of them are drawn again" if again else "after exactly those samples") in said[0], said[0]
 
 
+@pytest.mark.slow
 def test_secrets_in_the_environment_are_written_nowhere(tmp_path):
     """A real `posttrain fit` (W&B offline, checkpoints, samples) with fake secrets in its environment: none of
     them appears in any file it wrote, nor in its output."""

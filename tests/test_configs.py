@@ -17,6 +17,7 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))) + \
     sorted(glob.glob(os.path.join(ROOT, "tests", "configs", "*.yaml")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
 def test_config_parses_and_builds(path, tmp_path):
     extra = ["--data.init_args.root", str(tmp_path)] if "folder" in os.path.basename(path) else []
@@ -44,6 +45,7 @@ def test_finetune_config_is_the_embedded_default():
     assert all(spec.pretrained is None for spec in cli.model.card.specs.values())  # nothing to download
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["finetune.yaml", "dmd2.yaml"])  # no `run:` in the YAML, and one with a `run:`
 def test_seed_everything_reseeds_the_methods_own_noise(config, tmp_path):
     """The method draws its noise from its own generators (``run.seed``); a run's ``seed_everything`` reaches them

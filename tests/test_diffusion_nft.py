@@ -45,6 +45,7 @@ def same(a, b) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_diffusion_nft_raises_the_colour_reward_and_blends_old():
     torch.manual_seed(0)
     model = make()
@@ -69,6 +70,7 @@ def test_diffusion_nft_raises_the_colour_reward_and_blends_old():
     assert_one_metric_scheme(metrics, model.card)
 
 
+@pytest.mark.slow
 def test_shipped_settings_learn_against_a_zero_lr_control():
     """configs/diffusion_nft.yaml's NFT settings (β, KL, decay of ``old``, noise levels, group, prompts a step), on
     the tiny generator: after 20 iterations the reward of fixed-noise ODE samples is clearly above a control run that

@@ -166,6 +166,7 @@ def test_student_and_critic_start_from_the_teacher():
     assert all(not p.requires_grad for p in module.card["teacher"].parameters())
 
 
+@pytest.mark.slow
 def test_a_deeper_student_starts_as_the_teachers_function_and_its_new_blocks_train():
     """Block expansion: a student of 8 blocks ``init_from`` the 4-block teacher is block i of the teacher at 2i and
     2i + 1, the second with its residual outputs zero, so it predicts what the teacher predicts; after 4 iterations
@@ -288,6 +289,7 @@ def run_to(tmp_path, max_steps: int, ckpt_path=None, **kwargs) -> tuple[DMD2, Mo
     return module, checkpoint
 
 
+@pytest.mark.slow
 def test_checkpoint_carries_both_optimizers_and_resume_is_bitwise(tmp_path):
     """A checkpoint at iteration 4 holds both AdamW states with betas (0, 0.999): the critic's after 4 steps, the
     student's after 2 (iterations 0 and 3). Resuming it to iteration 8 (the student steps again at 6) ends bit
@@ -647,6 +649,7 @@ def test_the_gan_terms_pull_against_dmds_is_logged_as_measured(monkeypatch):
     assert "train/gan_to_dmd_grad/transformer" not in module.trainer.callback_metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("space", ["critic", "pixels"])
 def test_gan_head_is_in_the_checkpoint_and_resumes_bitwise(tmp_path, space):
     """With the GAN term the head is part of the critic: the iteration-4 checkpoint holds its weights, and resuming
@@ -691,6 +694,7 @@ def test_a_checkpoint_from_other_gan_settings_is_refused_by_name(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_runs_seed_whatever_the_launch_draws(tmp_path):
     """The run's seed is in its checkpoint: resumed from a launch seeded otherwise (``seed_everything: true`` draws a
     new seed each launch), the run warns, keeps its own seed — its teacher pairs, drawn from it as prompts first come,
@@ -711,6 +715,7 @@ def test_a_resume_keeps_the_runs_seed_whatever_the_launch_draws(tmp_path):
 
 
 # ---------------------------------------------------------------------- DMD's regression on teacher pairs
+@pytest.mark.slow
 def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them():
     """DMD's regression term. Each pair is the teacher's sample (its sampler: CFG, all its steps) from the pair's
     noise, the same in a fresh module (a resume recomputes them); pair 0 is the GAN's real sample. Trained 12
@@ -743,6 +748,7 @@ def test_regression_pairs_are_the_teachers_ode_and_pull_the_first_step_to_them()
     assert with_term < 0.7 * without, (with_term, without)
 
 
+@pytest.mark.slow
 def test_regression_until_ends_the_term_at_its_iteration():
     """``regression.until: N`` (a regression warm-up, as DMD2's one-step student pre-trains on regression before
     DMD): the student's loss draws teacher pairs on iterations 0…N-1 only; without it, on every student step."""
@@ -779,6 +785,7 @@ def chunked_regression_error(weight: float, regression_steps: str, step: Optiona
     return (x0 - y).pow(2).mean(dim=(0, 1, 3, 4))
 
 
+@pytest.mark.slow
 def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pairs():
     """The same term for a block-causal (Self-Forcing) student: its first step runs chunk by chunk (1 latent frame
     each) through the KV cache, and each chunk's x̂0 regresses onto its part of the teacher's sample. 12 iterations
@@ -788,6 +795,7 @@ def test_a_chunked_students_regression_pulls_every_chunks_first_step_to_the_pair
     assert with_term[1:].mean() < 0.8 * without[1:].mean(), (with_term, without)
 
 
+@pytest.mark.slow
 def test_ode_regression_pulls_every_step_of_a_chunked_student_to_the_pairs():
     """``regression.steps: every`` (CausVid's ODE regression): a random step of the list regresses from the pair's
     sample noised by its noise to that step's σ onto the sample. 12 iterations with it bring a later step's x̂0 (here
@@ -916,6 +924,7 @@ WIDE_DEEP = {**TINY_WAN, "num_attention_heads": 2 * TINY_WAN["num_attention_head
              "num_layers": 2 * TINY_WAN["num_layers"]}  # a student twice the tiny teacher's width and depth
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp_path):
     """``posttrain fit`` on 2 processes: the student in a ZeRO-3 engine, twice the teacher's width and depth and
@@ -978,6 +987,7 @@ def test_two_processes_sharded_student_and_ddp_critic_kill_resume_is_bitwise(tmp
     assert rank0 == rank1 and len([line for line in rank0 if line]) == 4
 
 
+@pytest.mark.slow
 def test_two_processes_a_pixel_head_on_a_zero3_critic_trains_and_kill_resume_is_bitwise(tmp_path):
     """The pixel GAN head (spectral norms: their weights reparametrized, their power-iteration vectors buffers) on a
     critic sharded by ZeRO-3 over 2 processes, the student under DDP: the head's weights and vectors are in the
@@ -1047,6 +1057,7 @@ def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int 
     return module, before, after, start
 
 
+@pytest.mark.slow
 def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     """configs/dmd2.yaml (the shipped world's generator as teacher: 20 steps, CFG 4.5) at DMD2's anchor cadence
     (student every 5th iteration, no GAN term, the real score at the teacher's CFG 4.5, its 4 steps and the scores'
@@ -1067,6 +1078,7 @@ def test_the_four_step_student_comes_closer_to_the_teacher(tmp_path):
     assert after["all"] > before["all"], (before, after)
 
 
+@pytest.mark.slow
 def test_the_one_step_student_comes_closer_to_the_teacher(tmp_path):
     """configs/dmd2.yaml as shipped (TTUR 2, the GAN term, no regression, the real score at CFG 3 and the scores' σ
     uniform) with one student step, for 150 iterations: the teacher's weights in one step sit far from the teacher's
@@ -1081,6 +1093,7 @@ def test_the_one_step_student_comes_closer_to_the_teacher(tmp_path):
     assert after["colour"] >= before["colour"] + 0.2 and after["motion"] >= before["motion"] + 0.2, (before, after)
 
 
+@pytest.mark.slow
 def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path):
     """The progressive recipe (docs/distill/dmd2.md): stage 1 fits configs/dmd2.yaml's 4-step student and
     `posttrain export --expert transformer --pipeline false` writes it; stage 2 runs the same config with

@@ -61,6 +61,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_zero3_model_states_match_a_measured_two_process_run(tmp_path, precision):
     path = write_config(tmp_path, {"preset": MEMORY_PRESET, "sharded": True,
@@ -76,6 +77,7 @@ def test_zero3_model_states_match_a_measured_two_process_run(tmp_path, precision
         f"estimate {estimated.model_state_bytes / 2**20:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_activation_estimate_matches_a_real_forward(tmp_path):
     """3 layers, 2 rows: the fake-tensor extrapolation from 1 and 2 layers against real saved tensors."""
     preset = {"num_layers": 3, "num_attention_heads": 4, "attention_head_dim": 32, "ffn_dim": 256}
@@ -102,6 +104,7 @@ def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated:
     assert estimated == pytest.approx(measured, rel=0.05), f"estimate {estimated} vs measured {measured} bytes"
 
 
+@pytest.mark.slow
 def test_flux_activation_estimate_matches_a_real_forward(tmp_path):
     """FLUX has two kinds of block (double- and single-stream): each is extrapolated from its own trace; 3 + 3
     blocks, 2 rows of 32x32 images, against the real saved tensors."""
@@ -116,6 +119,7 @@ def test_flux_activation_estimate_matches_a_real_forward(tmp_path):
     assert_matches_a_real_forward(path, "flux", preset, estimate(path)["transformer"].activation_bytes)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_divides_the_activations_per_process(tmp_path):
     """``sequence_parallel: 2`` of the strategy, read from the config: each process traces half of every sample's
     tokens (half of the heads inside attention), so the generator's activations lose about half (less: the text and
@@ -142,6 +146,7 @@ def test_sequence_parallel_divides_the_activations_per_process(tmp_path):
     assert 0.4 * whole.activation_bytes < saved < 0.5 * whole.activation_bytes, (saved, whole.activation_bytes)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_estimate_splits_flux_image_and_text_tokens(tmp_path):
     """FLUX under ``sequence_parallel: 2``: its image and text tokens are split alike (joint attention), so its
     activations per process are about half too, with the all-to-all of the joint sequence added."""
@@ -184,6 +189,7 @@ def test_activation_rows_follow_the_rl_batching():
     assert DiffusionNFT.update_runs_rollout_cfg is False and FlowGRPO.update_runs_rollout_cfg is True
 
 
+@pytest.mark.slow
 def test_roles_lora_and_offload_are_counted(tmp_path):
     # EMA: a frozen full copy of the generator's weights
     path = write_config(tmp_path, {})
@@ -211,6 +217,7 @@ def test_roles_lora_and_offload_are_counted(tmp_path):
     assert off.grad_bytes < part * 4  # only the reduce bucket stays on the device
 
 
+@pytest.mark.slow
 def test_devices_scale_the_sharded_share(tmp_path):
     spec = {"preset": MEMORY_PRESET, "sharded": True, "zero": {"stage": 2, "precision": "bf16"}}
     two = estimate(write_config(tmp_path, spec, devices=2, sharded=True), activations=False)["transformer"]
@@ -246,12 +253,14 @@ SHIPPED = sorted(name for name in os.listdir(os.path.join(ROOT, "configs"))
                  if name.endswith(".yaml") and "folder" not in name)  # a folder config needs its data folder to parse
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_config_estimates(name):
     result = estimate(os.path.join(ROOT, "configs", name), activations=False)
     assert result.device_bytes > 0 and "total" in result.table()
 
 
+@pytest.mark.slow
 def test_trainer_precision_applies_to_plain_experts(tmp_path):
     """bf16-true: Lightning casts every plain expert (weights, gradients, AdamW state in bf16: half of fp32);
     bf16-mixed: fp32 weights, fewer activation bytes (autocast)."""

@@ -74,6 +74,7 @@ def test_bad_arguments_fail_at_start_up():
         Evaluate(include=["colour:mauve"])
 
 
+@pytest.mark.slow
 def test_validate_of_the_default_finetune_logs_geneval_per_fact_and_a_wandb_table(tmp_path, capsys):
     extra = tmp_path / "evaluate.yaml"
     extra.write_text("trainer:\n  callbacks+:\n    - class_path: Evaluate\n"

@@ -30,6 +30,7 @@ def held_out_loss(module: Finetune, dm: SyntheticVideos) -> float:
     return torch.stack(losses).mean().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lr", [3e-3, 0.0])
 def test_finetune_loss_falls_and_zero_lr_control_does_not(lr):
     torch.manual_seed(0)

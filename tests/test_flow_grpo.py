@@ -45,6 +45,7 @@ def eval_reward(model) -> float:
     return score(model.reward, model.generate(PROMPTS, seed=123), PROMPTS).total.mean().item()
 
 
+@pytest.mark.slow
 def test_flow_grpo_raises_the_colour_reward_with_logprob_parity_holding():
     torch.manual_seed(0)
     model = make()
@@ -79,6 +80,7 @@ def shipped() -> dict:
     return dict(grpo=init["grpo"], sampler=FlowMatchSampler(num_steps=8, **sde))
 
 
+@pytest.mark.slow
 def test_shipped_settings_learn_against_a_zero_lr_control():
     """The shipped config's GRPO settings and SDE noise, on the tiny generator: after 20 iterations the reward of
     fixed-noise ODE samples is clearly above a control run that sees the same rollouts at learning rate 0 (which

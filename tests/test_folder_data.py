@@ -149,6 +149,7 @@ def test_validation_split_by_fraction_and_by_files(clips):
 
 
 # ---------------------------------------------------------------------- latents cache
+@pytest.mark.slow
 def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, monkeypatch):
     calls = counting_encode(monkeypatch)
     cache = tmp_path / "latents"
@@ -186,6 +187,7 @@ def test_latents_cache_is_written_once_reused_and_never_stale(clips, tmp_path, m
     assert len(calls) == 1 and len(list(cache.iterdir())) == 7
 
 
+@pytest.mark.slow
 def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_path, monkeypatch):
     calls = counting_encode(monkeypatch)
     cache = tmp_path / "latents"
@@ -330,6 +332,7 @@ def test_finetune_folder_config_parses(clips, tmp_path, monkeypatch):
         (cli.model.video.frames, cli.model.video.height, cli.model.video.width)
 
 
+@pytest.mark.slow
 def test_finetune_folder_with_a_one_frame_run_trains_on_images(tmp_path, monkeypatch):
     """configs/finetune_folder.yaml with `run: {frames: 1}` (the YAML edited, as a user would) on a folder of
     images: the data takes the run's one frame and `posttrain fit` trains (before, VideoFolder kept frames=9 and

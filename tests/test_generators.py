@@ -45,6 +45,7 @@ def first_frame_psnr(module: Finetune, images: torch.Tensor, prompts: list[str])
     return float(peak_signal_noise_ratio((videos[:, :, 0] + 1) / 2, (images + 1) / 2, data_range=1.0))
 
 
+@pytest.mark.slow
 def test_i2v_finetune_makes_the_first_frame_the_image():
     """120 finetune iterations of a random Wan I2V on synthetic videos, each conditioned on its own first
     frame: the generated first frame matches the conditioning image (PSNR on 8 unseen images) far better
@@ -70,6 +71,7 @@ def test_i2v_finetune_makes_the_first_frame_the_image():
     assert trained > mean_colour + 1.0, (mean_colour, trained)
 
 
+@pytest.mark.slow
 def test_flux_flow_grpo_raises_its_reward_against_a_constant_reward():
     """Flow-GRPO on FLUX (images, FLUX's mu-shifted σ grid): the colour reward of fixed-seed ODE samples
     rises; with a constant reward (zero advantage) the same run leaves the weights bitwise unchanged."""

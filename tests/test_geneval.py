@@ -127,6 +127,7 @@ def test_reward_is_the_metric_per_sample(videos, one_thread):
     assert refined.total.item() == 1.0
 
 
+@pytest.mark.slow
 def test_two_process_gather_equals_one_process(tmp_path, one_thread):
     """Two gloo processes each update on half the videos; compute() gathers the sums: the same accuracies
     as one process that saw all of them."""

@@ -88,6 +88,7 @@ PROMPTS = Prompts(num_synthetic=16).prompt_list()
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow
 def test_per_expert_credit_every_refiner_learns_its_own_target():
     m = method(3, credit="per_expert")
     m.configure_model()
@@ -143,6 +144,7 @@ def test_per_expert_credit_every_refiner_learns_its_own_target():
     assert captions[0].startswith(PROMPTS[0] + " → " + PROMPTS[0] + ", ") and len(captions[0]) > 2 * len(PROMPTS[0])
 
 
+@pytest.mark.slow
 def test_shared_credit_runs_and_at_least_one_refiner_learns():
     # one shared advantage: the generator's colour term varies from sample to sample and would drown the
     # refiners' rare keyword hits, so this reward weights colour down (credit assignment, not a bug)
@@ -170,6 +172,7 @@ def test_n_refiners_one_step_n_plus_one_experts(n):
     assert trainer.global_step == 1
 
 
+@pytest.mark.slow
 def test_joint_false_freezes_the_generator_while_refiners_learn():
     m = method(2, credit="per_expert", joint=False)
     m.configure_model()
@@ -280,6 +283,7 @@ def test_refiner_settings_name_every_problem_under_refiners():
         method(1, credit="shared", reward=ColourAlignment(), refiners=dict(temperature=0.0, kl_beta=-1.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,n,credit", [("configs/joint_rl.yaml", 3, "per_expert"),
                                            ("configs/unified_rl.yaml", 1, "shared"),
                                            ("configs/prompt_rl.yaml", 1, "shared"),
@@ -388,6 +392,7 @@ def test_the_served_prompt_logged_is_exactly_what_the_generator_saw(mode, concer
         assert sum(not row[1] for row in rows) == 2  # one skip sample per request
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rewrite", "append"])
 def test_rewrite_and_append_modes_both_train(mode):
     """In either mode the refiner learns its keyword (first-token probability ~1/96 -> > 0.3 in 40 iterations)
@@ -445,6 +450,7 @@ def caption_margin(m: JointRL, colour_slot_requests: list[tuple[str, str, str]])
     return sum(margins) / len(margins)
 
 
+@pytest.mark.slow
 def test_prompt_rl_config_teaches_the_refiner_which_colour_an_ambiguous_word_means():
     """configs/prompt_rl.yaml as shipped (the pretrained refiner and generator, the generator frozen, the intent
     reward of the videos): 20 iterations make the refiner prefer, for requests in the ``AMBIGUOUS`` colour words

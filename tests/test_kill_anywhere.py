@@ -117,6 +117,7 @@ def sizes(name: str, kills: int | None) -> tuple[int, int, int]:
     return steps, every, per_epoch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kill_anywhere_resumes_bitwise(name, tmp_path, request):
     config, _, _, _, shrink = CONFIGS[name]

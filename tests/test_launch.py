@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import launch
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +45,7 @@ def alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_kill_job_takes_the_rank_a_forked_command_started(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(textwrap.dedent(SCRIPT.format(config=os.path.join(ROOT, "configs", "finetune.yaml"))))

@@ -6,9 +6,12 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_wheel_has_one_top_level_name(tmp_path):
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                             "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)

@@ -137,6 +137,7 @@ def test_parity_check_every_n_and_methods_without_rollouts():
         LogProbParityCheck(every_n_iterations=0)
 
 
+@pytest.mark.slow
 def test_the_former_name_c2check_still_resolves_to_the_parity_check(tmp_path):
     """Configs written before the rename name ``C2Check`` (short, or by its full path): both still build the parity
     check, with their options."""

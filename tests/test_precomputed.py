@@ -46,6 +46,7 @@ def train(model, data, steps: int = 3) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.card["transformer"].state_dict().items()}
 
 
+@pytest.mark.slow
 def test_training_on_precomputed_rows_is_bitwise_training_on_the_fly(tmp_path):
     config = small_config(tmp_path)
     out = tmp_path / "rows"
@@ -70,6 +71,7 @@ def test_training_on_precomputed_rows_is_bitwise_training_on_the_fly(tmp_path):
     assert not different, f"weights differ after 3 steps: {different[:3]}"
 
 
+@pytest.mark.slow
 def test_two_processes_write_one_shard_each_with_the_same_rows(tmp_path, monkeypatch):
     """Each process takes half the cores, and the VAE's CPU kernels then sum in another order: latents agree
     to float32 rounding (bitwise equality holds at equal threads, as in the test above); text rows exactly."""
@@ -85,6 +87,7 @@ def test_two_processes_write_one_shard_each_with_the_same_rows(tmp_path, monkeyp
     torch.testing.assert_close(two.latents, one.latents, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rows_of_other_weights_or_size_are_refused_and_damage_is_named(tmp_path):
     config = small_config(tmp_path)
     out = tmp_path / "rows"
@@ -116,6 +119,7 @@ def test_rows_of_other_weights_or_size_are_refused_and_damage_is_named(tmp_path)
         PrecomputedVideos(str(tmp_path / "nothing"))
 
 
+@pytest.mark.slow
 def test_rl_reads_precomputed_prompt_rows_without_running_the_text_encoder(tmp_path):
     config = os.path.join(ROOT, "configs", "flow_grpo.yaml")
     preprocess(config, str(tmp_path / "rows"))

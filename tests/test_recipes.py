@@ -27,6 +27,7 @@ def nodes(tree):
             yield from nodes(value)
 
 
+@pytest.mark.slow
 def test_there_are_recipes_for_the_models_users_start_from():
     names = {os.path.basename(p) for p in RECIPES}
     for expected in ("wan2.1_t2v_1.3b_finetune.yaml", "wan2.1_t2v_1.3b_lora.yaml", "wan2.1_t2v_1.3b_flow_grpo.yaml",
@@ -36,6 +37,7 @@ def test_there_are_recipes_for_the_models_users_start_from():
         assert expected in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", RECIPES, ids=[os.path.basename(p) for p in RECIPES])
 def test_recipe_runs_two_iterations_at_tiny_size(path, tmp_path):
     with open(path) as f:

@@ -214,6 +214,7 @@ def test_the_shipped_refiner_rewrites_seen_requests_well_but_not_perfectly(refin
         assert all(part[f] >= 0.6 for f in fact_names), (concern, part)
 
 
+@pytest.mark.slow
 def test_the_shipped_refiner_is_unsure_of_the_ambiguous_colour_words(refiner, one_thread):
     """What prompt-only RL has to teach: a request whose shape colour is an ``AMBIGUOUS`` word (``teal``,
     ``amber``, …) is rewritten, sampled at temperature 1 (RL's rollouts), with the colour it names here in

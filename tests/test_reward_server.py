@@ -42,6 +42,7 @@ class Recorded(Reward):
         return out
 
 
+@pytest.mark.slow
 def test_remote_rewards_equal_the_local_ones_bitwise_and_so_does_training():
     """Float32 media on the wire: total and every term bitwise the local reward's; uint8 media: bitwise the local
     reward of the quantized media. Three flow_grpo iterations against the server end in bitwise the weights (and
@@ -97,6 +98,7 @@ def start_server(*args) -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"serve-reward did not start: {seen}")
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_is_retried_then_stops_the_run_with_its_checkpoint_intact(tmp_path, caplog):
     """The server process is SIGKILLed after iteration 2: iteration 3's reward is retried twice with backoff,
     then the run stops naming the URL, before any update; the checkpoint of iteration 2 verifies and holds the

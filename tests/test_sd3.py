@@ -57,6 +57,7 @@ def test_sd3_export_reproduces_predict(tmp_path, one_thread):
     assert all(torch.equal(pipe.transformer.state_dict()[k], ema[k]) for k in ema)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["finetune_sd3.yaml", "flow_grpo_sd3.yaml"])
 def test_sd3_configs_train_one_iteration(config, tmp_path):
     """The shipped configs through the command (in this process): one finetune / FlowGRPO iteration, a checkpoint."""
@@ -71,6 +72,7 @@ def test_sd3_configs_train_one_iteration(config, tmp_path):
     assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
 
 
+@pytest.mark.slow
 def test_sd3_activation_estimate_matches_a_real_forward(tmp_path):
     """``posttrain estimate`` on configs/finetune_sd3.yaml (3 blocks, 2 rows of 32x32 images) against the bytes a
     real forward saves for backward."""

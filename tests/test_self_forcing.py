@@ -151,6 +151,7 @@ def test_rolling_cache_settings_name_the_option():
 
 
 # ------------------------------------------------------------------ learning, against the pretrained world's teacher
+@pytest.mark.slow
 def test_the_chunked_student_comes_closer_to_the_teacher(tmp_path):
     """configs/self_forcing.yaml for 100 iterations: the causal student starts from the bidirectional teacher's
     weights, which run chunk by chunk with the KV cache draw far from the teacher's 20-step CFG samples (Fréchet
@@ -161,6 +162,7 @@ def test_the_chunked_student_comes_closer_to_the_teacher(tmp_path):
     assert after["all"] > before["all"] + 0.1, (before, after)
 
 
+@pytest.mark.slow
 def test_zero_student_lr_control_leaves_the_student_and_its_samples_unchanged(tmp_path):
     """The same run with the student's learning rate 0 (AdamW's decoupled decay is lr × weight_decay: none): the
     critic trains, the student and its samples stay bitwise what they were."""

@@ -88,6 +88,7 @@ def _compare(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_wan_forward_and_backward_under_two_way_sequence_parallelism_equal_one_process():
     """A tiny Wan T2V transformer, 48 tokens of a 3x8x8 latent video, 2 heads: the same sample on both processes,
     each holding 24 tokens; output and (group-summed) gradients equal one process's (tolerances above). A degree
@@ -188,6 +189,7 @@ def _compositions(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_lora_checkpointing_flux_i2v_and_the_causal_student_under_two_way_sequence_parallelism_equal_one_process():
     """Under SP = 2, with the tolerances above: a Wan with a LoRA adapter on its attention (both factors non-zero;
     only the adapter's gradients), a Wan with gradient checkpointing (the split hooks run again in the recompute),
@@ -203,6 +205,7 @@ def test_lora_checkpointing_flux_i2v_and_the_causal_student_under_two_way_sequen
     launch.spawn(_compositions, args=(2, port), nprocs=2)
 
 
+@pytest.mark.slow
 def test_finetune_under_two_way_sequence_parallelism_follows_one_process(tmp_path):
     """``ShardedExpertsStrategy(sequence_parallel: 2)`` on 2 processes is one data-parallel rank: both processes draw
     the same samples and noise and share each video's tokens, so 2 finetune iterations end where one process ends
@@ -224,6 +227,7 @@ def test_finetune_under_two_way_sequence_parallelism_follows_one_process(tmp_pat
         assert worst <= 5e-5, (component, worst)
 
 
+@pytest.mark.slow
 def test_self_forcing_under_two_way_sequence_parallelism_follows_one_process(tmp_path):
     """configs/self_forcing.yaml (DMD2 with the KV-cached block-causal student, rolled out chunk by chunk) for 2
     iterations, the student stepping on both, on one process and under SP = 2 (student, teacher and critic all split;
@@ -279,6 +283,7 @@ def _with(path: str, **sections) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_flow_grpo_under_two_way_sequence_parallelism_keeps_its_log_probs_and_their_parity(tmp_path):
     """flow_grpo, 2 iterations of K = 2 SDE rollouts of one prompt, on one process and under SP = 2: both processes
     of the group roll out the same samples; every rollout's per-step log p equals one process's (to 1e-5: the
@@ -314,6 +319,7 @@ def test_flow_grpo_under_two_way_sequence_parallelism_keeps_its_log_probs_and_th
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 5e-5
 
 
+@pytest.mark.slow
 def test_zero3_under_two_way_sequence_parallelism_is_killed_and_resumes_bitwise(tmp_path):
     """SP = 2 with the generator in a ZeRO-3 engine over the same 2 processes (and its EMA gathered from the shards):
     it trains, checkpoints its shards, and a run killed after iteration 3 resumed from the checkpoint of iteration 2

@@ -110,6 +110,7 @@ def test_refiners_must_come_before_the_generators():
     assert out["refine"].prompts[0].startswith(PROMPTS[0]) and out["i2v"].media.shape[2] == 5
 
 
+@pytest.mark.slow
 def test_predict_writes_images_and_videos(tmp_path):
     """`posttrain predict` on the workflow config: one PNG per prompt from the FLUX stage and the video the
     I2V stage made from it, side by side under the stage folders."""

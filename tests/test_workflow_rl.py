@@ -65,6 +65,7 @@ def served_rewards(model: WorkflowRL, terms: tuple[str, ...]) -> dict[str, float
     return {"total": out.total.mean().item(), **{k: out.terms[k].mean().item() for k in terms}}
 
 
+@pytest.mark.slow
 def test_per_stage_credit_raises_every_stage_term_with_logprob_parity_holding():
     """30 iterations from random generators of the world's sizes: the final reward rises, and so does each
     stage's own term — the image's colour (credited to FLUX) and the video's (credited to the I2V).
@@ -93,6 +94,7 @@ def test_per_stage_credit_raises_every_stage_term_with_logprob_parity_holding():
     assert_one_metric_scheme(metrics, model.card)
 
 
+@pytest.mark.slow
 def test_a_frozen_stage_stays_bitwise_unchanged():
     """The I2V stage frozen (``trainable: false``): it rolls out its ODE and never steps; the image stage trains."""
     model = make(i2v_trainable=False, credit="shared", size=16)
@@ -107,6 +109,7 @@ def test_a_frozen_stage_stays_bitwise_unchanged():
     assert model.plain_trainable == ["t2i_transformer"]  # one optimizer: the frozen stage has none
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise(tmp_path):
     """4 iterations straight vs 2, a checkpoint, and 2 more in a new process-like module: every weight,
     optimizer state and version equal."""
@@ -149,6 +152,7 @@ def test_bad_workflow_rl_options_name_the_fix():
                                                                Stage("i2v", frames=5, trainable=False)])
 
 
+@pytest.mark.slow
 def test_refiners_can_be_the_first_stage():
     """refiner LM → FLUX → I2V, all three trained from the one reward (token PG for the refiner), each with its
     own version; the refined prompt is what the generators read, the original what the reward scores."""
@@ -170,6 +174,7 @@ def test_refiners_can_be_the_first_stage():
     assert "train/loss/refiner_0" in model.trainer.callback_metrics
 
 
+@pytest.mark.slow
 def test_each_stage_exports_to_its_pipeline(tmp_path):
     """A workflow checkpoint exports one stage per call, as the folder its diffusers pipeline loads."""
     from diffusers import FluxPipeline, WanImageToVideoPipeline

@@ -50,6 +50,7 @@ def test_presets_without_overrides_load_the_shipped_assets():
     assert presets.build_model("umt5").config.d_model == shipped.config.text_dim
 
 
+@pytest.mark.slow
 def test_pretrained_generator_follows_seen_prompts(world, one_thread):
     """Samples (20 Euler steps, shift 3) of 64 prompts of the concepts it was pretrained on read back far above
     chance (shape 1/3, colours 1/6, motion 1/4): with CFG 4.5 (how Wan serves, and the distillation teacher) each
@@ -64,6 +65,7 @@ def test_pretrained_generator_follows_seen_prompts(world, one_thread):
     assert chance("shape") < plain["shape"] and plain["all"] < guided["all"], (plain, guided)
 
 
+@pytest.mark.slow
 def test_held_out_concept_is_not_known(world, one_thread):
     """Prompts with the held-out colour (magenta, as the shape or the background): the generator never
     saw it, so the facts naming it read back near 0 (below the 1/6 of a random colour: it draws one of
@@ -75,6 +77,7 @@ def test_held_out_concept_is_not_known(world, one_thread):
     assert geneval(world, shape_magenta + background_magenta)["all"] <= 0.1
 
 
+@pytest.mark.slow
 def test_frechet_distance_ranks_the_pretrained_generator_closer_to_data(world, one_thread):
     """The data's frames against samples of the same prompts: the pretrained generator's are closer
     than an untrained generator's (same architecture, random weights)."""
@@ -130,6 +133,7 @@ def test_long_clips_at_the_worlds_pace_continue_the_motion():
         ShapesDataset(1, 21, 8, 8, speed=0.5)
 
 
+@pytest.mark.slow
 def test_the_long_worlds_codec_decodes_the_whole_clip_where_the_5_frame_codec_loses_it(one_thread):
     """16 held-out 21-frame clips of the long world (the 5-frame world's pace continued), encoded and decoded: the
     5-frame codec's reconstructions lose the facts after the first 5 frames (all four 0.02-0.17 per later window in
