@@ -10,6 +10,7 @@ candidate block with the baseline blocks around it, and reports the median ratio
 interval and a verdict: "too noisy" when the interval holds 1, met / missed / undecided against a goal
 (``timing.py``). Memory benches measure per-process peaks in real multi-process runs (gloo on the CPU).
 
+- ``cache_fill``: a folder's latents cache filled by one process against two processes, each its share.
 - ``checkpoint_write``: one checkpoint of the default finetune, the atomic hashed folder against Lightning's write.
 - ``compile``: a finetune training step eager against ``compile: true``.
 - ``decode``: the shipped Wan VAE decoding a batch, its weights as stored against ``channels_last: true``.

@@ -307,6 +307,13 @@ def test_decode_bench_runs():
 
 
 @pytest.mark.slow
+def test_cache_fill_bench_runs():
+    """One process and two fill the same cache (the bench asserts every entry, once each) and the ratio is said."""
+    out = run_bench("bench.cache_fill", "--clips", "4", "--frames", "5", "--size", "32", "--blocks", "1")
+    assert "latents cache of 4 clips of 5 x 32 x 32" in out and "two processes / one" in out
+
+
+@pytest.mark.slow
 def test_optimizer_bench_runs():
     out = run_bench("bench.optimizer", "--tiny", "--blocks", "1", "--per-block", "1")
     assert "fused/default" in out and "largest difference" in out
