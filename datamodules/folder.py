@@ -161,8 +161,8 @@ def list_items(root: str) -> list[tuple[str, str]]:
     """(media path, caption) pairs of ``root``, sorted by path; errors name the file (and line)."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"VideoFolder: data folder {root!r} does not exist; point `root` at your clips "
-                                f"(clip.mp4 + clip.txt pairs, or a metadata.jsonl): --data.init_args.root /path/to/clips, "
-                                f"or the `root` of that entry of `datasets`")
+                                f"(clip.mp4 + clip.txt pairs, or a metadata.jsonl): --data.init_args.root "
+                                f"/path/to/clips, or the `root` of that entry of `datasets`")
     listed = [os.path.join(root, name) for name in (METADATA, METADATA_CSV) if os.path.isfile(os.path.join(root, name))]
     if len(listed) == 2:
         raise ValueError(f"VideoFolder: {root!r} holds both {METADATA} and {METADATA_CSV}; keep the one that lists "

@@ -57,6 +57,7 @@ def world(tmp_path_factory):
                                                            "{file: 'a.png', caption: 'a blue square'}\n")
     (files / "bad.jsonl").write_text('{"prompt": "a red circle"}\n{prompt: "a blue square"}\n')
     (files / "typo.yaml").write_text("modle:\n  class_path: Finetune\n")
+    (files / "typo_trainer.yaml").write_text("trainer:\n  max_step: 3\n")
     (files / "syntax.yaml").write_text("trainer:\n  max_steps: [1\n")
     (files / "out_used").mkdir()
     (files / "out_used" / "mine.txt").write_text("mine")
@@ -90,13 +91,33 @@ CASES = [
     ("misspelt nested key", "fit", F, [M + "card.experts.transformer.optimiser=null"],
      ["optimiser", "did you mean `optimizer`"]),
     ("wrong value type", "fit", F, ["--trainer.max_steps=many"], ["trainer.max_steps", "expected type int, got many"]),
+    ("wrong-typed learning rate", "fit", F, [M + "card.experts.transformer.optimizer.init_args.lr", "1e-3x"],
+     ["model.init_args.card.experts.transformer.optimizer.init_args.lr: expected type float, got 1e-3x"]),
+    ("misspelt trainer flag", "fit", F, ["--trainer.max_step=3"],
+     ["--trainer.max_step", "did you mean --trainer.max_steps"]),
+    ("misspelt trainer YAML key", "fit", F, ["--config", "{files}/typo_trainer.yaml"],
+     ["trainer.max_step", "did you mean --trainer.max_steps"]),
+    ("misspelt method setting", "fit", F, [M + "ema_decy=0.9"],
+     ["model.init_args.ema_decy", "did you mean `ema_decay`"]),
+    ("misspelt expert setting", "fit", F, [M + "card.experts.transformer.trainble=true"],
+     ["model.init_args.card.experts.transformer.trainble", "did you mean `trainable`"]),
+    ("misspelt ZeRO setting", "fit", F, [M + "card.experts.transformer.zero.stag=3"],
+     ["zero.stag", "did you mean `stage`"]),
+    ("misspelt optimizer argument", "fit", F, [M + "card.experts.transformer.optimizer.init_args.lrr=3"],
+     ["optimizer.init_args.lrr", "AdamW has no setting `lrr`", "did you mean `lr`"]),
+    ("GRPO setting at its former place", "fit", G, [M + "num_samples_per_prompt", "1"],
+     ["`num_samples_per_prompt` is now `grpo.num_samples_per_prompt`",
+      "--model.init_args.grpo.num_samples_per_prompt"]),
+    ("choice not in its list", "fit", G, [M + "grpo.advantage_std=grop"],
+     ["model.init_args.grpo.advantage_std: expected one of group, global, got grop", "did you mean group"]),
     ("unknown arch", "fit", F, [M + "card.experts.transformer.arch=wan_xl"], ["wan_xl", "wan_t2v"]),
     ("trainable without optimizer", "fit", F, [M + "card.experts.text_encoder.trainable=true"],
      ["'text_encoder' is trainable but has no optimizer", "add"]),
     ("optimizer on a frozen expert", "fit", F, [M + "card.experts.transformer.trainable=false"],
      ["'transformer' has an optimizer or scheduler but trainable=false", "set `trainable: true`"]),
     ("pretrained folder missing", "fit", F, [M + "card.experts.transformer.pretrained={files}/nowhere"],
-     ["expert 'transformer'", "nowhere", "give a local folder"]),
+     ["expert 'transformer'", "nowhere", "give a local folder", "huggingface-cli download <repo> --local-dir",
+      "scripts/config_folders.py"]),
     ("pretrained folder of another class", "fit", F,
      [M + "card.experts.transformer.pretrained=" + os.path.join(ROOT, "modules", "assets", "wan_vae")],
      ["expert 'transformer'", "holds a AutoencoderKLWan", "point `pretrained`"]),
@@ -106,6 +127,8 @@ CASES = [
     ("YAML syntax error", "fit", None, ["--config", "{files}/syntax.yaml"], ["syntax.yaml:3", "invalid YAML"]),
     ("batch_size 0", "fit", F, ["--data.init_args.batch_size=0"], ["batch_size=0", "must be >= 1"]),
     ("no samples", "fit", F, ["--data.init_args.num_samples=0"], ["num_samples=0", "must be >= 1", "e.g. 64"]),
+    ("missing data folder", "fit", "finetune_folder.yaml", ["--data.init_args.root={files}/no_folder"],
+     ["no_folder", "does not exist", "--data.init_args.root"]),
     ("empty data folder", "fit", "finetune_folder.yaml", ["--data.init_args.root={files}/empty_folder"],
      ["empty_folder", "holds no media", "put videos or images there"]),
     ("caption not UTF-8", "fit", "finetune_folder.yaml", ["--data.init_args.root={files}/bad_captions"],
@@ -148,6 +171,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,command,config,extra,fragments", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_one_short_message_and_touches_no_checkpoint(world, capsys, name, command, config, extra,
                                                                     fragments):
@@ -188,6 +212,7 @@ def test_full_disk_during_a_checkpoint_write_keeps_the_earlier_ones(world, tmp_p
     assert not [n for n in os.listdir(folder) if n.startswith(ckpt.TEMP_PREFIX)]
 
 
+@pytest.mark.slow
 def test_a_reward_that_returns_nan_is_named(world, capsys):
     """A reward returning NaN for some videos stops the run at its first rollout with the reward named."""
     config = os.path.join(os.path.dirname(world["files"]), "nan_reward.yaml")

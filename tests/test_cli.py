@@ -62,10 +62,13 @@ def test_errors_are_one_short_message(capsys, args, expected):
 @pytest.mark.parametrize("config, old, new", [("unified_rl.yaml", "refiner_kl", "refiners.kl_beta"),
                                                ("joint_rl.yaml", "num_skip_refinement", "refiners.num_unrefined"),
                                                ("dmd2.yaml", "gan_critic_weight", "gan.critic_weight"),
-                                               ("dmd2.yaml", "regression_weight", "regression.weight")])
+                                               ("dmd2.yaml", "regression_weight", "regression.weight"),
+                                               ("flow_grpo.yaml", "num_samples_per_prompt",
+                                                "grpo.num_samples_per_prompt")])
 def test_a_flat_key_of_before_names_its_new_place(capsys, tmp_path, config, old, new):
-    """joint_rl's refiner settings and dmd2's GAN and regression settings live in groups (``refiners:``, ``gan:``,
-    ``regression:``): a config or a flag that still sets the old flat key fails with one message naming its place."""
+    """joint_rl's refiner settings, dmd2's GAN and regression settings and the GRPO settings live in groups
+    (``refiners:``, ``gan:``, ``regression:``, ``grpo:``): a config or a flag that still sets the old flat key fails
+    with one message naming its place."""
     old_yaml = tmp_path / "old.yaml"
     old_yaml.write_text(yaml.safe_dump({"model": {"init_args": {old: 0}}}))
     for extra in (["--config", str(old_yaml)], [f"--model.init_args.{old}=0"]):
@@ -94,6 +97,7 @@ def test_yaml_syntax_error_names_the_file_and_line(capsys, tmp_path):
     assert code == 2 and f"{bad}:3:" in err, err
 
 
+@pytest.mark.slow
 def test_debug_flag_shows_the_traceback(tmp_path):
     env = {**os.environ, "POSTTRAIN_DEBUG": "1"}
     done = subprocess.run([sys.executable, "-m", "posttrain", "fit", "--config", FINETUNE,
@@ -102,6 +106,7 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     assert done.returncode != 0 and "Traceback" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_error_path_stands_down_lightnings_child_watcher_and_waits_for_the_children():
     """On the launching process, Lightning's child-process watcher SIGKILLs it once a child exits non-zero (here
     0.5 s in, polled every 0.1 s); the error path stands the watcher down and waits for the children, so the process
@@ -174,6 +179,7 @@ def warnings_in(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if re.search(r"[Ww]arning|WARNING|deprecated", line)]
 
 
+@pytest.mark.slow
 def test_default_run_prints_no_warning_and_resumes_its_wandb_run(tmp_path):
     """The default finetune (shortened) through the real command: fit, resume with --ckpt_path last,
     validate and predict print no warning; the progress bar counts iterations up to max_steps; the resumed fit
@@ -219,6 +225,7 @@ def read_config(*args: str):
         return ParseOnly(args=list(args), run=False, parser_kwargs={"exit_on_error": False}).config
 
 
+@pytest.mark.slow
 def test_run_frames_override_reaches_the_synthetic_data(tmp_path):
     """`--model.init_args.run.frames=9` on configs/finetune.yaml: the data trains on 9-frame videos, the size the
     method samples (before, SyntheticVideos silently kept its own 5)."""
@@ -234,6 +241,7 @@ def test_run_frames_override_reaches_the_synthetic_data(tmp_path):
                                                      cli.model.video.width)
 
 
+@pytest.mark.slow
 def test_every_shipped_config_has_one_video_size():
     """Every shipped config whose data has a size parses to the run's size (as it means; the recipes' VideoFolder
     used to fall back to 9x32x32 and finetune_flux's images to 5 frames), and `--preset tiny` keeps it one."""

@@ -136,6 +136,7 @@ def test_empty_dataset_and_tiny_dataset():
         quick_trainer(max_steps=1).fit(module, SyntheticVideos(num_samples=2, batch_size=4))
 
 
+@pytest.mark.slow
 def test_two_experts_under_ddp(tmp_path):
     """Two processes: plain `ddp` with two plain experts stops with the fix named; with
     `ddp_find_unused_parameters_true` both experts train and count iterations."""

@@ -1,4 +1,5 @@
-"""Start-up checks of the trainer a card runs under: what cannot work stops before anything is built.
+"""Start-up checks of the trainer a card runs under: what cannot work stops before anything is built, and before
+anything is written (the CLI holds the W&B run and ``config.yaml`` until the run starts: ``lit/tools/config.py``).
 
 Experts are stepped by hand, each with its own optimizer and backward: float16 AMP would need a gradient scaler
 per expert, sharded experts need ``ShardedExpertsStrategy``, and several plain experts under DDP need

@@ -8,6 +8,10 @@
 - one video size: ``model.init_args.run.{frames,height,width}`` is linked into a video datamodule;
 - W&B runs: a resumed fit continues the checkpoint's W&B run (its id travels in the checkpoint's manifest);
   validate and predict runs are tagged by ``job_type`` and grouped with the fit run;
+- nothing written before the launch is accepted: the loggers are held (no W&B run, no folder) and ``config.yaml``
+  waits until the run starts, after the config is parsed, the model built and a checkpoint restored, so a launch
+  refused at start-up leaves the run folder as it was (``LoggedConfig``);
+- ``--ckpt_path last`` with nothing to resume names the (absolute) folder it looked in and starts a new run;
 - ``--preset tiny``: a real-model recipe at the embedded default's size;
 - ``parse`` / ``instantiate_part``: a fit YAML checked and one part of it built alone, for the tools
   (``estimate``, ``preprocess``) that need no trainer.
@@ -27,6 +31,8 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.seed import isolate_rng
 
 import posttrain.callbacks  # noqa: F401  (short class names in YAML: SampleVideos, LogProbParityCheck, ...)
 import posttrain.datamodules  # noqa: F401
@@ -37,12 +43,36 @@ from posttrain.modules.models import presets
 
 
 class LoggedConfig(SaveConfigCallback):
-    """Writes ``config.yaml`` beside the run and puts the whole config into the loggers (W&B config)."""
+    """Writes ``config.yaml`` beside the run and puts the whole config into the loggers (W&B config), once the
+    launch is accepted: when the run starts (its sanity check, training, validation or prediction), after the
+    config is parsed, the model built and a checkpoint verified and restored. Until then the loggers are held
+    (``WandbLogger.hold``): a launch refused at start-up starts no W&B run and leaves the run folder as it was."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        pass  # nothing is written before the run starts
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._start(trainer, pl_module)
+
+    def _start(self, trainer, pl_module) -> None:
+        if self.already_saved:
+            return
+        with isolate_rng():  # the training's random streams are the same whether W&B starts here or not
+            for logger in trainer.loggers:
+                if hasattr(logger, "release"):
+                    logger.release()
         # config.yaml is written by ``parser.save``, which would validate again the config validated when parsed
         with mock.patch.object(self.parser, "save", functools.partial(self.parser.save, skip_validation=True)):
-            super().setup(trainer, pl_module, stage)
+            super().setup(trainer, pl_module, trainer.state.fn)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         for logger in trainer.loggers:
@@ -60,6 +90,12 @@ class PosttrainCLI(LightningCLI):
             args=args, **kwargs,
         )
 
+    def init_parser(self, **kwargs: Any):
+        # argparse takes a unique prefix of an option for the option: `--trainer.max_step 3` would set max_steps and
+        # `--seed_everythin 3` the seed, silently. A key is spelt out, or refused with the closest valid one.
+        kwargs.setdefault("allow_abbrev", False)
+        return super().init_parser(**kwargs)
+
     def parse_arguments(self, parser, args) -> None:
         if args is None:
             return super().parse_arguments(parser, args)
@@ -75,6 +111,35 @@ class PosttrainCLI(LightningCLI):
         if trainer.max_steps == 0 or trainer.max_epochs == 0:
             raise ValueError(f"trainer.max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}: this run would "
                              f"train nothing; set trainer.max_steps to the iterations to train (or -1 with max_epochs)")
+        self._resolve_last("fit")
+
+    def before_validate(self) -> None:
+        self._resolve_last("validate")
+
+    def before_predict(self) -> None:
+        self._resolve_last("predict")
+
+    def _resolve_last(self, subcommand: str) -> None:
+        """``--ckpt_path last`` with nothing to resume: a fit says where it looked (``runs/`` is relative to the
+        working folder, so a launch from another folder finds nothing there) and starts a new run; validate and
+        predict stop, as they were asked for trained weights. Lightning's own note ("no last checkpoint
+        available", with a ``save_last=True`` hint that does not apply here) is not reached."""
+        config = self.config_init[subcommand]
+        if config.get("ckpt_path") != "last" or any(has_checkpoints(self.trainer, c)
+                                                     for c in self.trainer.checkpoint_callbacks):
+            return
+        folders = [os.path.abspath(checkpoint_folder(self.trainer, c)) for c in self.trainer.checkpoint_callbacks]
+        where = f"no checkpoint in {', '.join(folders)}" if folders else "this config writes no checkpoints"
+        root = self.trainer.default_root_dir
+        if folders and not os.path.isabs(root):
+            where += f" (trainer.default_root_dir {root} is relative to the working folder {os.getcwd()})"
+        if subcommand != "fit":
+            raise ValueError(f"--ckpt_path last: {where}; give the trained run's folder as trainer.default_root_dir "
+                             f"(or --ckpt_path <checkpoint>), or drop --ckpt_path to {subcommand} the config's own "
+                             f"weights")
+        config["ckpt_path"] = None
+        if rank_zero_only.rank == 0:
+            print(f"--ckpt_path last: {where}; starting a new run", file=sys.stderr, flush=True)
 
     def _dump_config(self) -> None:
         """LightningCLI's (the config as plain data, for the hyper-parameters its instantiator hands a class), without
@@ -122,7 +187,12 @@ class PosttrainCLI(LightningCLI):
             extra.append(IterationProgressBar())
         if config.get("enable_model_summary", True) is not False:
             extra.append(ExpertSummary())
-        return self._instantiate_trainer(config, extra)
+        trainer = self._instantiate_trainer(config, extra)
+        if any(isinstance(c, LoggedConfig) for c in trainer.callbacks):  # it releases them when the run starts
+            for logger in trainer.loggers:
+                if hasattr(logger, "hold"):
+                    logger.hold()
+        return trainer
 
 
 def seed_run(config) -> None:
@@ -136,6 +206,25 @@ def seed_run(config) -> None:
         init_args.run = Namespace(**asdict(RunArgs(seed=int(seed))))
     elif init_args.run.get("seed") is None:
         init_args.run.seed = int(seed)
+
+
+def checkpoint_folder(trainer, callback) -> str:
+    """The folder a checkpoint callback writes to, and where ``--ckpt_path last`` looks."""
+    if callback.dirpath is not None:
+        return str(callback.dirpath)
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))  # Lightning's (private) default folder
+
+
+def has_checkpoints(trainer, callback) -> bool:
+    """Whether ``--ckpt_path last`` has anything to resume from this callback's folder (nothing is verified or
+    read here beyond the manifests: the resume itself does that)."""
+    from posttrain.callbacks.checkpoints import ModelCheckpoint
+    from posttrain.modules.io import checkpoints as ckpt
+
+    if isinstance(callback, ModelCheckpoint):
+        folder = checkpoint_folder(trainer, callback)
+        return ckpt.last_target(folder) is not None or bool(ckpt.entries(folder))
+    return any(os.path.exists(path) for path in callback._find_last_checkpoints(trainer))
 
 
 # ---------------------------------------------------------------------- one video size

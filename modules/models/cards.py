@@ -145,6 +145,7 @@ class ModelCard(nn.Module):
     def validate(self) -> None:
         """All configuration problems of the card in one message."""
         problems = []
+        missing: dict[str, None] = {}  # pretrained folders that do not exist, in card order
         if self.text_max_length < 1:
             problems.append(f"text_max_length={self.text_max_length} must be >= 1 token per prompt (e.g. 64; Wan "
                             f"pipelines use 512)")
@@ -166,7 +167,8 @@ class ModelCard(nn.Module):
             if spec.accumulate < 1:
                 problems.append(f"expert {name!r}: accumulate={spec.accumulate} must be >= 1")
             if spec.pretrained is not None and (err := presets.check_pretrained(spec.pretrained)):
-                problems.append(f"expert {name!r}: {err}; give a local folder or remove `pretrained`")
+                problems.append(f"expert {name!r}: {err}")
+                missing.setdefault(spec.pretrained)
             if spec.lora is not None and not spec.trainable:
                 problems.append(f"expert {name!r} has a LoRA adapter but trainable=false")
             if spec.init_from is not None and spec.pretrained is not None:
@@ -187,6 +189,14 @@ class ModelCard(nn.Module):
             if spec.attention_backend is not None and spec.arch not in presets.DIFFUSERS_ARCHS:
                 problems.append(f"expert {name!r}: attention_backend is a diffusers option; {spec.arch!r} is a "
                                 f"transformers model")
+        if missing:  # never "drop `pretrained`": that would train the tiny preset in its place
+            problems.append("give a local folder holding the weights: download them once (nothing downloads at run "
+                            "time) with " + "; ".join(f"`huggingface-cli download <repo> --local-dir {folder}`"
+                                                       for folder in missing) +
+                            " (<repo>: the model's hub id, as a recipe's header names it); to size a run without the "
+                            "weights, `python scripts/config_folders.py --out "
+                            f"{next(iter(missing)).rstrip('/').rpartition('/')[0] or '.'}` writes config-only folders "
+                            "for `posttrain estimate`")
         if self.cache_size_problem:
             problems.append(self.cache_size_problem)
         if problems:
