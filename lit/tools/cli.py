@@ -56,7 +56,7 @@ DiffusionNFT, joint RL of refiners and a generator). A run is one YAML file; con
   fit           train: posttrain fit --config configs/finetune.yaml (resume: --ckpt_path last)
   validate      run a config's validation (a trained run's with --ckpt_path)
   predict       generate with a trained run: posttrain predict --config C --ckpt_path last
-  export        write a checkpoint as a diffusers pipeline folder (or one expert's weights)
+  export        write a LoRA run's adapter (diffusers and ComfyUI keys), or a diffusers pipeline folder
   estimate      memory per process of a config's experts, before any run
   preprocess    encode a config's data once: VAE latents and frozen text-encoder rows
   reward        score a config's data with its reward, before training on it
