@@ -58,25 +58,39 @@ def _replicas(num_replicas: Optional[int], rank: Optional[int]) -> tuple[int, in
     return world, rank if rank is not None else dist.get_rank() if grouped else 0
 
 
-class ResumableLoader(DataLoader):
+class PositionedLoader(DataLoader):
+    """A ``DataLoader`` that counts the batches of the current epoch it handed out (``epoch``, ``position``), for
+    Lightning to checkpoint; its sampler carries ``epoch`` and ``resume = (epoch, done)`` of a restored position."""
+
+    seed: int = 0
+
+    def resumed_batches(self, done: int) -> int:
+        """The batches already handed out when the sampler resumes ``done`` into the epoch."""
+        return done
+
+    def __iter__(self):
+        sampler = self.sampler
+        epoch = sampler.epoch
+        start = self.resumed_batches(sampler.resume[1]) if sampler.resume and sampler.resume[0] == epoch else 0
+        # worker base seeds from (seed, epoch), not from the global RNG
+        self.generator.manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+        self.epoch, self.position = epoch, start  # batches of ``epoch`` handed out so far (skipped ones included)
+        for batch in super().__iter__():
+            self.position += 1
+            yield batch
+
+
+class ResumableLoader(PositionedLoader):
     """A ``DataLoader`` over a ``ResumableSampler`` whose position Lightning checkpoints (``state_dict``)."""
 
     def __init__(self, dataset: Dataset, batch_size: int, sampler: ResumableSampler, seed: int = 0, **kwargs: Any):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                          generator=torch.Generator(), **kwargs)
         self.seed = seed
-        self.epoch, self.position = 0, 0  # batches of ``epoch`` handed out so far (skipped ones included)
+        self.epoch, self.position = 0, 0
 
-    def __iter__(self):
-        sampler: ResumableSampler = self.sampler
-        epoch = sampler.epoch
-        start = sampler.resume[1] // self.batch_size if sampler.resume and sampler.resume[0] == epoch else 0
-        # worker base seeds from (seed, epoch), not from the global RNG
-        self.generator.manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-        self.epoch, self.position = epoch, start
-        for batch in super().__iter__():
-            self.position += 1
-            yield batch
+    def resumed_batches(self, done: int) -> int:
+        return done // self.batch_size  # the sampler resumes by samples
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batches": self.position, "batch_size": self.batch_size,
@@ -193,7 +207,7 @@ class Batched(Dataset):
         return [self.dataset[k] for k in keys]
 
 
-class BucketLoader(DataLoader):
+class BucketLoader(PositionedLoader):
     """``ResumableLoader`` for a ``BucketSampler``: batches of one bucket, their position checkpointed by Lightning.
 
     The sampler yields whole batches, so the loader runs without automatic batching (``batch_size=None``) and
@@ -203,17 +217,7 @@ class BucketLoader(DataLoader):
         super().__init__(Batched(dataset), batch_size=None, sampler=sampler, collate_fn=collate_fn,
                          generator=torch.Generator(), **kwargs)
         self.seed = seed
-        self.epoch, self.position = 0, 0  # steps of ``epoch`` handed out so far (skipped ones included)
-
-    def __iter__(self):
-        sampler: BucketSampler = self.sampler
-        epoch = sampler.epoch
-        start = sampler.resume[1] if sampler.resume and sampler.resume[0] == epoch else 0
-        self.generator.manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-        self.epoch, self.position = epoch, start
-        for batch in super().__iter__():
-            self.position += 1
-            yield batch
+        self.epoch, self.position = 0, 0  # the sampler resumes by steps: the default ``resumed_batches``
 
     def state_dict(self) -> dict[str, Any]:
         sampler: BucketSampler = self.sampler
