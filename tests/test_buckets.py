@@ -23,9 +23,8 @@ from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import BucketSampler
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.models.cards import Expert, ModelCard
 from posttrain.modules.models.presets import build_model
-from tests.conftest import TINY_WAN
+from tests.conftest import wan_card
 from tests.test_folder_data import caption, clip, image
 
 SHAPES = {"square": (32, 32), "tall": (48, 16), "wide": (16, 48)}  # (height, width) of the source clips
@@ -301,12 +300,7 @@ class Shapes(Callback):
 
 def finetune() -> Finetune:
     seed_everything(0)
-    card = ModelCard(experts={
-        "text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
-        "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True,
-                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
-        text_max_length=32)
-    return Finetune(card, run=RunArgs(frames=9, height=32, width=32))
+    return Finetune(wan_card(), run=RunArgs(frames=9, height=32, width=32))
 
 
 def trainer(steps: int, *callbacks, **kwargs) -> Trainer:

@@ -15,10 +15,10 @@ from posttrain.datamodules.folder import VideoFolder
 from posttrain.datamodules.synthetic import COLOURS, render
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
-from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.cards import Expert
 from posttrain.modules.io.media import write_media
 from posttrain.modules.models.presets import build_model
-from tests.conftest import TINY_WAN
+from tests.conftest import wan_card
 
 RED = torch.tensor(COLOURS["red"]) * 2 - 1  # the shapes' colours in [-1, 1]
 BLUE = torch.tensor(COLOURS["blue"]) * 2 - 1
@@ -195,11 +195,7 @@ def test_finetune_fits_on_a_folder_through_the_cards_vae_and_cache(clips, tmp_pa
         caption(clip(clips / name, frames=9, colour=colour), f"clip {name}")
 
     seed_everything(0)
-    card = ModelCard(experts={
-        "text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
-        "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True,
-                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))},
-        text_max_length=32)
+    card = wan_card()
     module = Finetune(card, run=RunArgs(frames=5, height=16, width=16))
 
     def data():
