@@ -47,6 +47,7 @@ from posttrain.lit.dmd2 import student_sampler
 from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize
+from posttrain.modules.models.published import WAN_1_3B  # Wan2.1-T2V-1.3B-Diffusers' transformer config
 from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
 from posttrain.modules.rl.rollout import Rollout, train_steps
 from posttrain.modules.flow.samplers import FlowMatchSampler
@@ -54,10 +55,6 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# WanTransformer3DModel config of Wan2.1-T2V-1.3B-Diffusers (transformer/config.json)
-WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
-                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 TINY = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=64, ffn_dim=128,
             num_layers=2, rope_max_seq_len=32)
 # AutoencoderKLWan of Wan2.1-T2V-1.3B-Diffusers (vae/config.json), and a small one for --tiny

@@ -13,7 +13,8 @@ The plumbing behind it lives in ``lit/engine/`` and ``callbacks/``: exact resume
 (``engine/resume.py``, a mixin), the logging cadence (``engine/log_cadence.py``, a mixin), the start-up checks
 of the trainer (``engine/startup.py``), iterations (``callbacks.IterationCounter``: Lightning counts every
 ``optimizer.step()`` in ``global_step``; here ``max_steps``, logging and checkpoint cadence count iterations),
-weight versions (``callbacks.WeightVersions``) and precomputed rows (``callbacks.PrecomputedRows``).
+weight versions (``callbacks.WeightVersions``), precomputed rows (``callbacks.PrecomputedRows``) and frozen
+encoders kept in host memory (``engine/encoders.py``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from posttrain.callbacks.iterations import IterationCounter
 from posttrain.callbacks.precomputed import PrecomputedRows
 from posttrain.callbacks.versions import WeightVersions
+from posttrain.lit.engine.encoders import offload_encoders
 from posttrain.lit.engine.log_cadence import DeferredLogging
 from posttrain.lit.engine.resume import ExactResume
 from posttrain.lit.engine.startup import check_trainer
@@ -112,7 +114,8 @@ class ExpertModule(ExactResume, DeferredLogging):
         if self.run.seed is None:
             self.run = replace(self.run, seed=0)
         # the card's generator: transformer + vae + its text encoders (+ an image encoder), through its adapter
-        self.stage = GeneratorStage(card, embedded_guidance=self.run.embedded_guidance)
+        self.stage = GeneratorStage(card, embedded_guidance=self.run.embedded_guidance,
+                                    num_train_timesteps=self.sampler.num_train_timesteps)
         self.sync_plans: list[SyncPlan] = []
         self.stepped: set[str] = set()  # experts whose optimizer stepped in this iteration
         self._micro: dict[str, int] = {}  # expert -> backward passes so far (accumulation)
@@ -126,13 +129,24 @@ class ExpertModule(ExactResume, DeferredLogging):
     def video(self) -> VideoSize:
         return self.run.video
 
+    @property
+    def policies(self) -> list[str]:
+        """The generator experts that train: the stage's transformer, or those of a pair of noise experts
+        (``transformer``, ``transformer_2``) that are trainable."""
+        return [name for name in self.stage.generators if name in self.card.specs and self.card.specs[name].trainable]
+
     def card_problems(self, method: str, trains: tuple[str, ...] = ("transformer",)) -> list[str]:
         """The card-shape problems of a method that trains ``trains`` with the card's generator stage."""
         problems = [p for p in self.stage.problems()]
         problems += [f"the card has no {name!r}" for name in trains if not self.card.has(name)
                      and f"the card has no {name!r}" not in problems]
+        pair = self.stage.transformer_2 is not None
         problems += [f"{method} trains `{name}`: set `trainable: true` and give it an optimizer"
-                     for name in trains if name in self.card.specs and not self.card.specs[name].trainable]
+                     for name in trains if name in self.card.specs and not self.card.specs[name].trainable
+                     and not (pair and name == self.stage.transformer)]
+        if pair and self.stage.transformer in trains and not self.policies:
+            problems.append(f"{method} trains the pair {list(self.stage.generators)}: set `trainable: true` and give "
+                            f"an optimizer to one or both")
         generator = self.card.specs.get(self.stage.transformer)
         if self.sampler.chunk_frames is not None and generator is not None \
                 and not presets.causal(generator.arch):
@@ -154,6 +168,8 @@ class ExpertModule(ExactResume, DeferredLogging):
             with gathered(self.card):
                 self.setup_roles()
         self.check_sizes()
+        if self.card.offload_encoders and self._trainer is not None and self.trainer.state.fn == "fit":
+            offload_encoders(self)  # before the strategy moves the module: parked encoders never reach the device
 
     def check_sizes(self) -> None:
         """A size the VAE and the patch size cannot take stops here, at start-up, and so does a chunk size
@@ -348,16 +364,18 @@ class ExpertModule(ExactResume, DeferredLogging):
         """With ``decay`` set (a method's ``ema_decay``), add ``<generator>_ema``, an EMA of the trained generator
         blended after each of its steps with this decay, which then serves (``serving_transformer``): sample
         videos, validation, ``predict``. Call from ``setup_roles``."""
-        if decay is not None:
-            ema = self.card.add_role("ema", of=self.stage.transformer)
-            self.sync_plans.append(SyncPlan(self.stage.transformer, ema, constant(decay)))
+        if decay is not None:  # a pair: each trained expert's EMA (``serving_transformer`` runs the pair's)
+            for generator in self.policies if self.stage.transformer_2 is not None else [self.stage.transformer]:
+                ema = self.card.add_role("ema", of=generator)
+                self.sync_plans.append(SyncPlan(generator, ema, constant(decay)))
 
     @property
     def serving_transformer(self) -> str:
-        """The generator that serves samples: its EMA copy when the method keeps one."""
-        generator = self.stage.transformer
-        return next((name for name, (of, role) in self.card.roles.items() if of == generator and role == "ema"),
-                    generator)
+        """The generator that serves samples: its EMA copy when the method keeps one (a pair: the EMA of either
+        expert, which runs the pair with each expert's EMA where it has one: ``GeneratorStage.pair_of``)."""
+        generators = self.stage.generators
+        return next((name for name, (of, role) in self.card.roles.items() if of in generators and role == "ema"),
+                    self.stage.transformer)
 
     def conditioning(self, prompts: list[str], sampler: FlowMatchSampler, images: Optional[torch.Tensor] = None):
         """``prompts``' conditioning and, when ``sampler`` guides (CFG), the empty prompt's (cached like any
@@ -426,4 +444,6 @@ def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, siz
             "max_sequence_length": stage.card.text_max_length, "num_frames": size.frames,
             "height": size.height, "width": size.width, "transformer": transformer,
             "generator": stage.transformer, "vae": stage.vae, "text_encoders": list(stage.encoders),
-            "image_encoder": stage.image_encoder, "embedded_guidance": stage.embedded_guidance}
+            "image_encoder": stage.image_encoder, "embedded_guidance": stage.embedded_guidance,
+            **({} if stage.transformer_2 is None else {"transformer_2": stage.pair_of(transformer)[1],
+                                                       "boundary_ratio": stage.card.boundary_ratio})}

@@ -181,9 +181,9 @@ class WorkflowRL(Workflow):
         context = {"original_prompts": prompts, "stages": {n: o.media for n, o in outputs.items() if o.media is not None},
                    "refinements": {n: t for o in outputs.values() for n, t in o.refinements.items()}}
         rewards = score(self.reward, final.media, final.prompts, context)
-        self.log("val/reward", rewards.total.mean(), prog_bar=True, batch_size=len(prompts))
+        self.log("val/reward", rewards.total.mean(), prog_bar=True, batch_size=len(prompts), sync_dist=True)
         for name, value in rewards.terms.items():
-            self.log(f"val/reward/{name}", value.mean(), batch_size=len(prompts))
+            self.log(f"val/reward/{name}", value.mean(), batch_size=len(prompts), sync_dist=True)
 
     # ------------------------------------------------------------------ helpers
     def _logprob_gap(self, refined: dict[str, Refinements], rollouts: dict[str, Rollout]) -> torch.Tensor:

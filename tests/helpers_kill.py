@@ -135,6 +135,10 @@ def checkpoint_contents(folder: str) -> dict[str, Any]:
         path = os.path.join(os.path.realpath(folder), rel)
         if rel.endswith(".pt"):
             contents[rel] = checkpoints.load_state(path, deepspeed=rel != checkpoints.STATE)  # ZeRO shards
+        elif rel.endswith(".safetensors"):  # a LoRA run's adapter/
+            from safetensors.torch import load_file
+
+            contents[rel] = load_file(path)
         elif rel != checkpoints.MANIFEST and not rel.endswith(".py"):
             with open(path) as f:
                 contents[rel] = f.read()

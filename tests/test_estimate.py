@@ -21,6 +21,7 @@ from bench import memory  # the measured side
 from bench import sequence_parallel  # the bytes a forward saves for backward
 from posttrain.lit.tools.estimate import _inputs, estimate, meta_model
 from posttrain.modules.models import presets
+from posttrain.modules.models.cards import Expert, LoraConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -277,6 +278,53 @@ def test_trainer_precision_applies_to_plain_experts(tmp_path):
     assert half.model_state_bytes * 2 == full.model_state_bytes and mixed.model_state_bytes == full.model_state_bytes
     assert results["bf16-true"]["vae"].param_bytes * 2 == results["32-true"]["vae"].param_bytes
     assert mixed.activation_bytes < 0.9 * full.activation_bytes
+
+
+def with_card(path: str, **card: object) -> str:
+    """The config at ``path`` with ``card`` options added (``offload_encoders``...)."""
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["init_args"]["card"].update(card)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def test_fp8_counts_a_byte_per_block_linear_weight_and_its_scales(tmp_path):
+    """fp8 on a frozen text encoder and a LoRA base: each Linear weight inside the blocks (T5's ``encoder.block``,
+    Wan's ``blocks``; not a norm's, not the adapter's) 1 byte a parameter + one float32 scale per output row, the
+    rest unchanged; the adapter's AdamW state is 2 float32 moments per adapter parameter alone."""
+    experts = {"text_encoder": {"arch": "umt5"}}
+    plain = estimate(write_config(tmp_path, {"lora": {"rank": 4}}, experts=experts), activations=False)
+    experts = {"text_encoder": {"arch": "umt5", "fp8": True}}
+    fp8 = estimate(write_config(tmp_path, {"lora": {"rank": 4}, "fp8": True}, experts=experts), activations=False)
+    for name, blocks in (("text_encoder", "encoder.block."), ("transformer", "blocks.")):
+        spec = {"text_encoder": {"arch": "umt5"}, "transformer": {"arch": "wan_t2v", "lora": {"rank": 4}}}[name]
+        model = meta_model(Expert(arch=spec["arch"], trainable="lora" in spec,
+                                  lora=LoraConfig(rank=4) if "lora" in spec else None))
+        saved = sum(m.weight.numel() * 3 - m.weight.shape[0] * 4 for n, m in model.named_modules()
+                    if type(m) is torch.nn.Linear and n.startswith(blocks) and "norm" not in n and "lora_" not in n)
+        assert saved > 0 and plain[name].param_bytes - fp8[name].param_bytes == saved, name
+    lora = fp8["transformer"]
+    assert lora.optimizer_bytes == 8 * lora.trainable and lora.grad_bytes == 4 * lora.trainable
+    assert (lora.trainable, lora.grad_bytes) == (plain["transformer"].trainable, plain["transformer"].grad_bytes)
+
+
+def test_offloaded_encoders_and_activations_move_to_the_host_column(tmp_path):
+    """offload_encoders: the text encoder's weights move to the host column (and the VAE's encoder only when the
+    batches bring latents; SyntheticVideos brings videos). offload_activations (with gradient checkpointing): the
+    saved block inputs move to the host, the device keeps one block's recompute, so the two add up to the
+    activations without it."""
+    generator = {"gradient_checkpointing": True, "preset": {"num_layers": 3}}
+    plain = estimate(write_config(tmp_path, generator))
+    off = estimate(with_card(write_config(tmp_path, {**generator, "offload_activations": True}),
+                             offload_encoders=True, cache_device="cpu"))
+    assert off["text_encoder"].param_bytes == 0 and off["text_encoder"].host_bytes == plain["text_encoder"].param_bytes
+    assert off["vae"].param_bytes == plain["vae"].param_bytes and off["vae"].host_bytes == 0
+    gen, before = off["transformer"], plain["transformer"]
+    assert 0 < gen.activation_bytes < before.activation_bytes
+    assert gen.activation_bytes + gen.host_bytes == before.activation_bytes
+    assert off.device_bytes == plain.device_bytes - plain["text_encoder"].param_bytes - gen.host_bytes
 
 
 def test_estimate_is_a_subcommand(capsys):

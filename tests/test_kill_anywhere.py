@@ -1,5 +1,6 @@
 """Kill anywhere, resume, end bitwise equal: the real ``posttrain fit`` command on shrunken copies of
-configs/finetune.yaml, tests/configs/joint_rl_keywords.yaml (N=3) and configs/finetune_zero.yaml (2 processes, ZeRO-2).
+configs/finetune.yaml (also with a LoRA adapter), tests/configs/joint_rl_keywords.yaml (N=3) and
+configs/finetune_zero.yaml (2 processes, ZeRO-2).
 
 Each config runs once uninterrupted and once as a chain of attempts: every attempt but the last is killed (the
 whole job, SIGKILL) at one moment drawn from a seeded RNG — inside a checkpoint write, right after an epoch's last
@@ -38,6 +39,13 @@ def joint_rl(cfg: dict) -> None:
     cfg["data"]["init_args"].update(num_synthetic=6, batch_size=2)
 
 
+def lora(cfg: dict) -> None:
+    """The finetune with the transformer trained through a LoRA adapter on the shipped weights: its checkpoints hold
+    the adapter, and every resume rebuilds the base from the asset."""
+    finetune(cfg)
+    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["lora"] = {"rank": 4, "alpha": 4.0}
+
+
 def zero(cfg: dict) -> None:
     finetune(cfg)
     cfg["data"]["init_args"].update(num_samples=12)  # 6 per process: 3 batches an epoch
@@ -46,6 +54,7 @@ def zero(cfg: dict) -> None:
 CONFIGS = {
     "finetune": ("configs/finetune.yaml", 10, 2, 3, finetune),
     "joint_rl": ("tests/configs/joint_rl_keywords.yaml", 8, 2, 3, joint_rl),
+    "lora": ("configs/finetune.yaml", 8, 2, 3, lora),
     "zero": ("configs/finetune_zero.yaml", 8, 2, 3, zero),
 }
 WRITE_PHASES = ["start", "bytes", "state", "manifest", "committed", "linked"]

@@ -8,10 +8,11 @@ resumed run continue bitwise where the uninterrupted one goes.
   (``lit/engine/checkpoint_io.py``);
 - ``on_save_checkpoint`` adds a ``posttrain`` entry: the card's signature, each expert's config, arch and source,
   the serving settings (``posttrain export`` reads them), the noise generators of every process, the global
-  RNGs (torch, numpy, python, CUDA), the accumulation and non-finite counters; frozen experts whose weights a
-  file holds are left out of ``state_dict`` (a SHA-256 of their weights is kept instead);
-- ``on_load_checkpoint`` refuses a checkpoint of another card before anything loads, reloads the frozen experts
-  from their sources (refusing a source that changed), and puts every state above back — for ``validate`` and
+  RNGs (torch, numpy, python, CUDA), the accumulation and non-finite counters; what a source rebuilds exactly is
+  left out of ``state_dict`` (a SHA-256 of it is kept instead): frozen experts whose weights a file holds, and
+  the base of a LoRA expert (``ModelCard.reloadable``), so a LoRA checkpoint holds the adapter;
+- ``on_load_checkpoint`` refuses a checkpoint of another card before anything loads, puts back what was left out
+  from the freshly built card's sources (refusing a source that changed), and every state above — for ``validate`` and
   ``predict`` too, which is why these are the module's hooks and not a callback's (a callback's
   ``on_load_checkpoint`` runs only when fitting, after the weights are loaded);
 - only training draws from the global RNGs (below).
@@ -41,7 +42,7 @@ class ExactResume(LightningModule):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._frozen_digests: dict[str, str] = {}  # frozen expert -> SHA-256 of its weights (computed once)
+        self._frozen_digests: dict[str, str] = {}  # expert -> SHA-256 of what its source rebuilds (computed once)
         self._rng_between_batches = None
 
     def setup(self, stage: str) -> None:
@@ -85,18 +86,7 @@ class ExactResume(LightningModule):
     # ------------------------------------------------------------------ the checkpoint's `posttrain` entry
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        # frozen experts read from a file are not saved (the UMT5 of Wan 1.3B alone is ~23 GB in fp32): a resume
-        # reloads them from their source and refuses a source that changed since
-        frozen = {}
-        for name in self.card.reloadable():
-            prefix = f"card.models.{name}."
-            keys = [k for k in checkpoint.get("state_dict", {}) if k.startswith(prefix)]
-            if keys:
-                for key in keys:
-                    del checkpoint["state_dict"][key]
-                if name not in self._frozen_digests:
-                    self._frozen_digests[name] = self.card.weights_digest(name)
-                frozen[name] = {"sha256": self._frozen_digests[name], "source": self.card.sources()[name]}
+        frozen = self._leave_out_frozen(checkpoint.get("state_dict", {}))
         generators = [self.generator.get_state()]
         if dist.is_available() and dist.is_initialized():
             generators = [None] * dist.get_world_size()
@@ -147,20 +137,82 @@ class ExactResume(LightningModule):
         if state["rng"].get("cuda") and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
+    def _leave_out_frozen(self, state_dict: dict) -> dict:
+        """Remove from ``state_dict`` the weights a resume rebuilds from their source (``card.reloadable``): frozen
+        experts read from a file (the UMT5 of Wan 1.3B alone is ~23 GB in fp32) and the base of a LoRA expert (~2.8
+        GB of Wan 1.3B in bf16 in every save; the adapter stays). Returns the checkpoint's ``frozen`` entry: per
+        expert the SHA-256 of what was left out (computed once: it never changes) and its source; per LoRA role (an
+        EMA or ``old`` copy) whose base still equals its expert's, ``base_of`` that expert."""
+        frozen = {}
+        sources = self.card.sources()
+        for name in self.card.reloadable():
+            spec = self.card.specs[name]
+            # a sharded LoRA expert is not in `state_dict`: its engine saves it without the base
+            dropped = self._drop(state_dict, name, self.card.frozen_state(name))
+            if dropped or (spec.sharded and spec.lora is not None):
+                if name not in self._frozen_digests:
+                    self._frozen_digests[name] = self.card.weights_digest(name, frozen_only=True)
+                frozen[name] = {"sha256": self._frozen_digests[name], "source": sources[name]}
+        for name, (of, _) in self.card.roles.items():
+            if of not in frozen or self.card.specs[of].lora is None or name not in self.card.models:
+                continue
+            # an EMA or `old` copy lerps its base towards the expert's equal one, which leaves it equal
+            base, own = self.card.frozen_state(of), self.card.frozen_state(name)
+            if own.keys() == base.keys() and all(_equal(own[k], base[k]) for k in own) \
+                    and self._drop(state_dict, name, own):
+                frozen[name] = {"base_of": of}
+        return frozen
+
+    @staticmethod
+    def _drop(state_dict: dict, name: str, keys) -> bool:
+        """Delete component ``name``'s ``keys`` from ``state_dict``; whether it held them (a sharded expert's engine
+        saves its own weights, so they are not there)."""
+        prefix = f"card.models.{name}."
+        held = [prefix + key for key in keys if prefix + key in state_dict]
+        for key in held:
+            del state_dict[key]
+        return bool(held)
+
     def _restore_frozen(self, checkpoint: dict, frozen: dict) -> None:
-        """Put back the frozen experts the checkpoint left out, from their sources, after checking that each
-        source still holds the weights the checkpoint was trained with."""
+        """Put back the weights the checkpoint left out (frozen experts, LoRA bases), from their sources in the
+        freshly built card, after checking that each source still holds the weights the checkpoint was trained
+        with. A checkpoint written before LoRA bases were left out holds them: they simply load."""
         for name, saved in frozen.items():
-            digest = self._frozen_digests.setdefault(name, self.card.weights_digest(name))
+            if "base_of" in saved:  # a LoRA role: its base is its expert's, whose own entry checks the source
+                continue
+            if name not in self._frozen_digests:
+                self._frozen_digests[name] = self.card.weights_digest(name, frozen_only=True)
+            digest = self._frozen_digests[name]
             if digest != saved["sha256"]:
                 source = saved.get("source") or {}
-                where = source.get("pretrained") or f"the shipped {source.get('arch')!r} weights"
-                raise ValueError(f"frozen expert {name!r} is not the one this checkpoint was trained with: its source "
-                                 f"({where}) changed since (weights SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…). "
-                                 f"Restore that source, or start a new run from the checkpoint's trained experts")
+                where = source.get("pretrained") or (f"published {source['published']!r}, its seeded weights"
+                                                     if source.get("published") else
+                                                     f"the shipped {source.get('arch')!r} weights")
+                if source.get("lora") is None:
+                    raise ValueError(
+                        f"frozen expert {name!r} is not the one this checkpoint was trained with: its source ({where}) "
+                        f"changed since (weights SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…). Restore that "
+                        f"source, or start a new run from the checkpoint's trained experts")
+                raise ValueError(
+                    f"the base of LoRA expert {name!r} is not the one this checkpoint's adapter was trained on: its "
+                    f"source ({where}) changed since (base weights SHA-256 {digest[:12]}… vs "
+                    f"{saved['sha256'][:12]}…), and the checkpoint holds the adapter alone. Restore that source to "
+                    f"resume, or start a new run on the new base")
+        state_dict = checkpoint["state_dict"]
+        for name, saved in frozen.items():
             prefix = f"card.models.{name}."
-            for key, value in self.card.models[name].state_dict().items():
-                checkpoint["state_dict"][prefix + key] = value
+            lora = "base_of" in saved or (saved.get("source") or {}).get("lora") is not None
+            if lora and not any(key.startswith(prefix) for key in state_dict):
+                continue  # a sharded LoRA expert's engine loads its adapter; its module kept the source's base
+            for key, value in self.card.frozen_state(name).items():
+                state_dict[prefix + key] = value
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``; float8 weights (an fp8 base, which it does not take on the CPU) compared bit for bit."""
+    if a.is_floating_point() and a.element_size() == 1:
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def check_signature(saved: dict, current: dict, shown: int = 3) -> None:

@@ -195,8 +195,9 @@ class ShardedExpertsStrategy(DDPStrategy):
             card.route(name, engine)
             self.engines[name] = engine
 
-        # DDP for the rest: the engines reduce their own gradients.
-        prefixes = tuple(f"card.models.{name}." for name in self.engines)
+        # DDP for the rest: the engines reduce their own gradients; frozen modules parked in host memory
+        # (``offload_encoders``) stay out, as under plain DDP
+        prefixes = tuple(f"card.models.{name}." for name in [*self.engines, *card.parked])
         ignore = [n for n, _ in module.named_parameters() if n.startswith(prefixes)]
         ignore += [n for n, _ in module.named_buffers() if n.startswith(prefixes)]
         module._ddp_params_and_buffers_to_ignore = ignore
@@ -287,9 +288,11 @@ class ShardedExpertsStrategy(DDPStrategy):
         closing barrier, which the processes that wrote wait at: the failed one joins it, so that every process
         then reaches the same agreement (``ckpt.write_checkpoint``)."""
         failure: Optional[Exception] = None
+        reloadable = self._card().reloadable()  # a LoRA expert's base, rebuilt from its source: left out
         for name, engine in self.trained_engines.items():
             try:
-                engine.save_checkpoint(os.path.join(temp, name), tag=TAG)
+                engine.save_checkpoint(os.path.join(temp, name), tag=TAG,
+                                       exclude_frozen_parameters=name in reloadable)
             except Exception as err:
                 dist.barrier()
                 failure = failure or err
@@ -327,7 +330,7 @@ class ShardedExpertsStrategy(DDPStrategy):
         engine._config.load_universal_checkpoint = configured or universal
         try:
             load_path, _ = engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True, custom_load_fn=_load_module)
         finally:
             engine._config.load_universal_checkpoint = configured
         if load_path is None:
@@ -380,6 +383,8 @@ class ShardedExpertsStrategy(DDPStrategy):
             with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
                 reference = ckpt.full_weights(os.path.join(path, name)) if self.is_global_zero else {}
             for key, param in self._card().models[name].named_parameters():
+                if not param.requires_grad and key not in reference:  # a LoRA base: the source's, not in the shards
+                    continue
                 gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") \
                     else contextlib.nullcontext()
                 with gathered:
@@ -421,6 +426,18 @@ class ShardedExpertsStrategy(DDPStrategy):
             raise ValueError(f"checkpoint {path!r} does not match this run's sharding; nothing was loaded:\n  - "
                              + "\n  - ".join(problems))
         return resize
+
+
+def _load_module(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """An engine's module weights from its checkpoint (DeepSpeed's ``custom_load_fn``): every key but the frozen
+    parameters a checkpoint saved with ``exclude_frozen_parameters`` leaves out (a LoRA base, which the module was
+    built with from its source, digest-checked by ``lit/engine/resume.py``); anything else missing is refused."""
+    missing, unexpected = dst.load_state_dict(src, strict=False)
+    frozen = {key for key, param in dst.named_parameters() if not param.requires_grad}
+    missing = [key for key in missing if key not in frozen]
+    if missing or unexpected:
+        raise RuntimeError(f"ZeRO checkpoint weights do not fit the model: missing {missing[:5]}, unexpected "
+                           f"{unexpected[:5]}")
 
 
 # ---------------------------------------------------------------------- DeepSpeed configs

@@ -13,11 +13,13 @@
   refused at start-up leaves the run folder as it was (``LoggedConfig``);
 - ``--ckpt_path last`` with nothing to resume names the (absolute) folder it looked in and starts a new run;
 - ``--preset tiny``: a real-model recipe at the embedded default's size;
+- ``--random_weights true``: a real-model recipe at real size with random weights, without the weights' folders;
 - ``parse`` / ``instantiate_part``: a fit YAML checked and one part of it built alone, for the tools
   (``estimate``, ``preprocess``) that need no trainer.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import inspect
@@ -165,6 +167,10 @@ class PosttrainCLI(LightningCLI):
                             help="tiny: run a real-model recipe at the embedded default's size — every expert from "
                                  "its tiny preset (the pretrained world's weights where an asset is shipped, no "
                                  "recipe weights read), one CPU process, the default video size")
+        parser.add_argument("--random_weights", type=bool, default=False,
+                            help="true: every expert with a `pretrained` folder is built as the published model the "
+                                 "folder's name names (`published`: real size, random weights from a fixed seed; "
+                                 "modules/models/published.py), its tokenizer folder used only where it exists")
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads a single-file ``ckpt_path`` itself, unverified, for hyper-parameters saved in it. A
@@ -175,8 +181,14 @@ class PosttrainCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")  # None when built with run=False
         config = self.config[subcommand] if subcommand else self.config
+        random_weights = bool(config.get("random_weights") or RANDOM_WEIGHTS.get())
+        if config.get("preset") == "tiny" and random_weights:
+            raise ValueError("`--preset tiny` builds every expert from its tiny preset, `--random_weights true` at "
+                             "the published model's real size: give one of the two")
         if config.get("preset") == "tiny":
             apply_tiny_preset(config)
+        elif random_weights:
+            apply_random_weights(config)
         seed_run(config)
         derive_run_folder(config.trainer, subcommand or "fit", config.get("ckpt_path"))
 
@@ -285,7 +297,7 @@ def apply_tiny_preset(config) -> None:
     card = args(config.model.init_args.card)
     experts = list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])
     for expert in map(args, experts):
-        assign(expert, pretrained=None, subfolder=None, tokenizer=None, preset={}, dtype="float32",
+        assign(expert, pretrained=None, published=None, subfolder=None, tokenizer=None, preset={}, dtype="float32",
                attention_backend=None, compile=False)
         if expert.get("zero") is not None:
             assign(args(expert.zero), offload_optimizer=False, offload_params=False, precision="fp32")
@@ -303,6 +315,37 @@ def apply_tiny_preset(config) -> None:
         config.trainer.strategy = "auto"
     elif strategy is not None and args(strategy).get("sequence_parallel") is not None:
         args(strategy).sequence_parallel = 1  # one process shares its tokens with no other
+
+
+# ---------------------------------------------------------------------- --random_weights true
+# the tools that parse a fit config themselves (``posttrain estimate --random_weights true``) set this around
+# ``parse``; ``posttrain fit`` reads its own flag
+RANDOM_WEIGHTS: contextvars.ContextVar[bool] = contextvars.ContextVar("random_weights", default=False)
+
+
+def experts_of(config) -> list:
+    """The card's experts (and its refiner template) of a parsed config, as their argument namespaces."""
+    def args(ns):
+        return ns.init_args if "init_args" in ns else ns
+
+    card = args(config.model.init_args.card)
+    return [args(e) for e in list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])]
+
+
+def apply_random_weights(config) -> None:
+    """A real-model recipe at real size with random weights: every expert's ``pretrained`` folder becomes the
+    published model the folder's name names (``/models/Wan2.1-T2V-14B-Diffusers`` -> ``published:
+    Wan2.1-T2V-14B``; an unknown name is refused listing the known ones), its ``subfolder`` kept; a ``tokenizer``
+    folder that does not exist is dropped (ByT5 ids, within every published vocabulary). Asked for explicitly only:
+    a missing folder without this flag stays an error."""
+    from posttrain.modules.models.published import name_of_folder
+
+    for expert in experts_of(config):
+        if expert.get("pretrained") is None:
+            continue
+        expert.published, expert.pretrained = name_of_folder(expert.pretrained), None
+        if expert.get("tokenizer") is not None and not os.path.isdir(expert.tokenizer):
+            expert.tokenizer = None
 
 
 # ---------------------------------------------------------------------- one run folder, W&B runs

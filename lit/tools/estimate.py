@@ -5,22 +5,29 @@
 method keeps (``reference``, ``old``, ``ema`` copies; a LoRA reference is free), and sums per process and
 per component:
 
-- **parameters** in the dtype they train in; a ZeRO-3 expert holds its 1/N partition plus the gathered
-  working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.engine.strategy`` gives it);
+- **parameters** in the dtype they train in (a ``published`` expert from its catalogue config); with ``fp8`` the
+  frozen Linear weights inside the blocks at 1 byte a parameter plus one scale per output row in the dtype
+  (optimum-quanto's float8 e4m3), everything else in the dtype; a ZeRO-3 expert holds its 1/N partition plus the
+  gathered working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.engine.strategy``
+  gives it); with the card's ``offload_encoders`` the generator's frozen text encoders are in the ``host`` column,
+  and so is the VAE's encoder when the batches bring latents (``latents_cache``, ``PrecomputedVideos``);
 - **gradients**: full under DDP (plus DDP's bucket copy when N > 1, Lightning's default
   ``gradient_as_bucket_view=False``), the 1/N partition plus the reduce bucket under ZeRO-2/3;
 - **optimizer states**: the expert's own optimizer's state tensors (counted by stepping it once on a
-  four-element parameter: AdamW keeps 2 per parameter) for its share of the parameters, plus DeepSpeed's fp32
+  four-element parameter: AdamW keeps 2 per parameter) for its share of the trainable parameters (a LoRA expert:
+  the adapter's alone), plus DeepSpeed's fp32
   master partition (it keeps one even for fp32 weights) and ZeRO-3's fp32 gradient sub-group buffer;
   with ``offload_optimizer`` these live in host memory (column ``host``), as do parameter partitions with
   ``offload_params``;
 - **activations** of one training forward (what backward keeps: the bytes of distinct non-parameter
   storages saved for backward, traced under ``FakeTensorMode`` with 1 and 2 layers and extrapolated
   linearly to the model's layer count: nothing is allocated); gradient checkpointing adds one layer's
-  recompute to the saved block inputs. With sequence parallelism (``sequence_parallel: k`` of
-  ``ShardedExpertsStrategy``) the trace is one process of a group of k, on torch's fake process group: the
-  transformer diffusers knows how to split (Wan) holds 1/k of each sample's tokens, and 1/k of the heads inside
-  attention; the all-to-all's send and receive buffers of one layer are added (``all_to_all_bytes``).
+  recompute to the saved block inputs; with ``offload_activations`` everything saved is in the ``host`` column and
+  the device keeps one block's backward working set (its recompute with checkpointing). With sequence parallelism
+  (``sequence_parallel: k`` of ``ShardedExpertsStrategy``) the trace is one process of a group of k, on torch's
+  fake process group: the transformer diffusers knows how to split (Wan) holds 1/k of each sample's tokens, and 1/k
+  of the heads inside attention; the all-to-all's send and receive buffers of one layer are added
+  (``all_to_all_bytes``).
 
 For every sharded expert DeepSpeed's own estimator (``estimate_zero2_model_states_mem_needs`` /
 ``estimate_zero3_model_states_mem_needs``, which assume 16-bit weights with fp32 master and Adam) is shown
@@ -31,7 +38,8 @@ beside the table's figure.
 
 Not counted: frozen experts' transient activations (text encoding, VAE encoding/decoding under
 ``no_grad``: VAE decoding of a long rollout can be large), the CUDA context and allocator fragmentation,
-communication buffers beyond the ZeRO buckets, and pinned host buffers.
+communication buffers beyond the ZeRO buckets, the device copy an offloaded encoder makes for a prompt not in the
+cache, and host memory beyond the offloaded tensors (the embedding cache, DataLoader workers).
 """
 from __future__ import annotations
 
@@ -212,6 +220,7 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
                                               notes=["no memory of its own (LoRA reference)"]))
 
     components += reward_memory(getattr(method, "reward", None))
+    offloaded_encoders(components, card, method, cfg)
 
     # 3. activations of the trainable experts' training forward
     if activations:
@@ -220,8 +229,9 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             if spec is None or not spec.trainable:
                 continue
             try:
-                c.activation_bytes, note = activation_bytes(spec, card, method, rows if c.name == generator
-                                                            else whole_rows, cast, autocast, degree)
+                c.activation_bytes, host, note = activation_bytes(spec, card, method, rows if c.name == generator
+                                                                  else whole_rows, cast, autocast, degree)
+                c.host_bytes += host
             except Exception as err:  # an architecture the trace cannot run: say so, keep the rest
                 c.activation_bytes, note = None, f"activations not estimated ({type(err).__name__}: {err})"
             if note:
@@ -290,9 +300,10 @@ def _data_batch_size(cfg) -> int:
 # ---------------------------------------------------------------------- meta models
 def meta_model(spec: Expert) -> nn.Module:
     """``spec``'s model on the meta device (``presets.build_model(device="meta")``): the preset (with overrides), a
-    trained asset's or a pretrained folder's config; no weight is read or allocated."""
+    published model's config (``Expert.published``), a trained asset's or a pretrained folder's config; no weight
+    is read or allocated."""
     model = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset, dtype_of(spec.dtype),
-                                lora=spec.lora, device="meta")
+                                lora=spec.lora, device="meta", published=spec.published)
     if not spec.trainable:
         model.requires_grad_(False)
     return model
@@ -300,6 +311,26 @@ def meta_model(spec: Expert) -> nn.Module:
 
 def _numel(params: list[nn.Parameter]) -> int:
     return sum({id(p): p.numel() for p in params}.values())
+
+
+def fp8_weights(spec: Expert, model: nn.Module) -> dict[int, int]:
+    """id -> output rows of the weights ``Expert.fp8`` stores in float8 e4m3 (optimum-quanto): the Linear layers
+    ``modules.models.fp8.targets`` picks (inside the blocks, not norms, not a LoRA adapter's); embeddings, norms and
+    the layers around the blocks keep the dtype."""
+    if not spec.fp8:
+        return {}
+    from posttrain.modules.models import fp8
+
+    return {id(layer.weight): layer.weight.shape[0] for layer in map(model.get_submodule, fp8.targets(model))}
+
+
+def weight_bytes(spec: Expert, model: nn.Module) -> int:
+    """Bytes of ``model``'s weights as the expert stores them: each in its dtype, but an fp8 weight
+    (``fp8_weights``) at 1 byte a parameter plus its scale, one value per output row in the weight's dtype."""
+    fp8 = fp8_weights(spec, model)
+    sizes = {id(p): p.numel() + fp8[id(p)] * p.element_size() if id(p) in fp8 else p.numel() * p.element_size()
+             for p in model.parameters()}
+    return sum(sizes.values())
 
 
 def optimizer_state_bytes(spec: Expert, dtype: torch.dtype) -> int:
@@ -317,9 +348,11 @@ def optimizer_state_bytes(spec: Expert, dtype: torch.dtype) -> int:
 
 # ---------------------------------------------------------------------- per component
 def _frozen(name: str, spec: Expert, model: nn.Module, placement: str) -> ComponentMemory:
-    params = list(model.parameters())
-    size = sum({id(p): p.numel() * p.element_size() for p in params}.values())
-    return ComponentMemory(name, spec.arch, placement, _numel(params), 0, param_bytes=size)
+    c = ComponentMemory(name, spec.arch, placement, _numel(list(model.parameters())), 0,
+                        param_bytes=weight_bytes(spec, model))
+    if fp8_weights(spec, model):
+        c.placement += ", fp8"
+    return c
 
 
 def _expert(name: str, spec: Expert, model: nn.Module, world: int) -> ComponentMemory:
@@ -337,17 +370,21 @@ def _expert(name: str, spec: Expert, model: nn.Module, world: int) -> ComponentM
     if spec.sharded:
         return _zero(name, spec, model, world, n_all, n_train)
     # plain: full weights, gradients (same dtype) and optimizer state on every process
-    weight_bytes = sum({id(p): p.numel() * p.element_size() for p in params}.values())
-    train_bytes = sum({id(p): p.numel() * p.element_size() for p in trainable}.values())
-    dtype = trainable[0].dtype if trainable else torch.float32
+    # (a LoRA expert: gradients and optimizer state of the adapter alone, the only parameters that require grad)
+    unique = list({id(p): p for p in trainable}.values())
+    train_bytes = sum(p.numel() * p.element_size() for p in unique)
     grads = train_bytes * (2 if world > 1 else 1)
+    # per dtype: the optimizer keeps its state in its parameter's dtype (a bf16 model's float32 modules: float32)
+    per_dtype = {dtype: optimizer_state_bytes(spec, dtype) for dtype in {p.dtype for p in unique}}
     c = ComponentMemory(name, spec.arch, "DDP" if world > 1 else "single process", n_all, n_train,
-                        param_bytes=weight_bytes, grad_bytes=grads,
-                        optimizer_bytes=n_train * optimizer_state_bytes(spec, dtype))
+                        param_bytes=weight_bytes(spec, model), grad_bytes=grads,
+                        optimizer_bytes=sum(p.numel() * per_dtype[p.dtype] for p in unique))
     if world > 1:
         c.notes.append("gradients counted twice: .grad and DDP's bucket (gradient_as_bucket_view=False)")
     if spec.lora is not None:
         c.placement += ", LoRA"
+    if fp8_weights(spec, model):
+        c.placement += ", fp8 base"
     return c
 
 
@@ -413,6 +450,33 @@ def deepspeed_estimate(spec: Expert, model: nn.Module, world: int, devices: Opti
     return int(device)
 
 
+def offloaded_encoders(components: list[ComponentMemory], card: ModelCard, method, cfg) -> None:
+    """With the card's ``offload_encoders`` (``lit.engine.encoders``), move to the host column the
+    generator's frozen text encoders, and the VAE's encoder where every batch brings latents (a ``latents_cache``,
+    ``PrecomputedVideos``) and the generator reads no image; the device keeps the rest (the VAE's decoder)."""
+    stage = getattr(method, "stage", None)
+    if not card.offload_encoders or stage is None:
+        return
+    data = getattr(cfg, "data", None)
+    init = getattr(data, "init_args", None)
+    latents = str(getattr(data, "class_path", "")).endswith("PrecomputedVideos") \
+        or getattr(init, "latents_cache", None) is not None
+    by_name = {c.name: c for c in components}
+    for name in stage.encoders:
+        c = by_name.get(name)
+        if c is not None and not c.trainable:
+            c.host_bytes, c.param_bytes = c.host_bytes + c.param_bytes, 0
+            c.placement += ", host"
+            c.notes.append("offload_encoders: in host memory once the run's prompts are cached")
+    vae, c = card.models[stage.vae] if stage.vae in card.models else None, by_name.get(stage.vae)
+    encoder = getattr(vae, "encoder", None)
+    if latents and c is not None and not c.trainable and not stage.takes_image and isinstance(encoder, nn.Module):
+        moved = weight_bytes(card.specs[stage.vae], encoder)
+        c.host_bytes, c.param_bytes = c.host_bytes + moved, c.param_bytes - moved
+        c.notes.append(f"offload_encoders: its encoder ({moved / 2**20:.0f} MiB) in host memory: the batches bring "
+                       f"latents")
+
+
 # ---------------------------------------------------------------------- activations
 def activation_rows(method, data_batch: int, micro: bool = True) -> tuple[int, str]:
     """Rows of one training forward of the generator, and how they were counted (``micro``: at most the
@@ -447,14 +511,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Optional[torch.dtype] = None,
-                     autocast: Optional[torch.dtype] = None, sequence_parallel: int = 1) -> tuple[Optional[int], str]:
-    """Bytes saved for backward by one training forward of ``spec``'s model at ``rows`` rows, extrapolated
-    from fake-tensor traces with 1 and 2 layers; ``(None, why)`` where no input recipe exists. With
-    ``sequence_parallel`` k > 1 a model diffusers can split (``_cp_plan``: Wan) is traced as one process of a group
-    of k, plus one layer's all-to-all buffers; any other runs whole on every process, as in the strategy."""
+                     autocast: Optional[torch.dtype] = None, sequence_parallel: int = 1
+                     ) -> tuple[Optional[int], int, str]:
+    """(device bytes, host bytes, notes) of what one training forward of ``spec``'s model at ``rows`` rows saves for
+    backward, extrapolated from fake-tensor traces with 1 and 2 layers; ``(None, 0, why)`` where no input recipe
+    exists. With ``sequence_parallel`` k > 1 a model diffusers can split (``_cp_plan``: Wan) is traced as one
+    process of a group of k, plus one layer's all-to-all buffers; any other runs whole on every process, as in the
+    strategy. With ``offload_activations`` the saved tensors are in host memory and the device keeps one block's
+    working set of the backward (its recompute under gradient checkpointing, else its saved tensors brought back)."""
     keys = presets.architecture(spec.arch).layer_keys
     if not keys:
-        return None, f"activations not estimated for arch {spec.arch!r}"
+        return None, 0, f"activations not estimated for arch {spec.arch!r}"
     config = presets.config_dict(meta_model(spec).config)
     degree = sequence_parallel if getattr(presets.model_class(spec.arch), "_cp_plan", None) is not None else 1
     trace = functools.partial(_saved_bytes, spec, card=card, method=method, rows=rows, cast=cast, autocast=autocast,
@@ -471,6 +538,7 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Opt
     total = base + sum((config[key] - 1) * per_block[key] for key in keys)
     notes = ["traced without the LoRA adapter, every weight trainable: an upper bound (peft cannot move fake "
              "tensors)"] if spec.lora is not None else []
+    buffers = 0
     if degree > 1:
         buffers = _all_to_all_bytes(spec, config, card, method, rows, degree, cast, autocast)
         total += buffers
@@ -479,11 +547,16 @@ def activation_bytes(spec: Expert, card: ModelCard, method, rows: int, cast: Opt
     elif sequence_parallel > 1:
         notes.append(f"sequence parallel {sequence_parallel} does not apply (diffusers has no context-parallel plan "
                      f"for {type(meta_model(spec)).__name__}): whole samples on every process")
+    # the backward's working set of one block: with gradient checkpointing its recompute, else its saved tensors
+    block = max((blocks(checkpointing=False)[1] if spec.gradient_checkpointing else per_block).values())
+    if spec.offload_activations:
+        notes.append(f"offload_activations: {total / GIB:.2f} GiB saved for backward in host memory; the device "
+                     f"keeps one block's backward working set")
+        return block + buffers, total - buffers, "; ".join(notes)  # the all-to-all buffers stay on the device
     if spec.gradient_checkpointing:
         # checkpointed blocks keep their inputs; backward recomputes one block's activations at a time
-        _, full = blocks(checkpointing=False)
-        total += max(full.values())
-    return total, "; ".join(notes)
+        total += block
+    return total, 0, "; ".join(notes)
 
 
 def _trace_dtype(spec: Expert, cast: Optional[torch.dtype], autocast: Optional[torch.dtype]

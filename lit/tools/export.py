@@ -90,6 +90,11 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
             trained = adapter_lora.adapter_of(model, name, parts.arch(name), parts.source(name))
             lora_files = adapter_lora.prepare(trained, formats, dtype_of(dtype or "bfloat16"))
         model.unload_lora()
+    if serving.get("transformer_2") and name == serving.get("transformer") and lora_files is not None and pipeline \
+            and not with_base:  # a pair of noise experts: one adapter alone would serve half of the steps
+        raise ValueError(f"export: {name!r} is the high-noise expert of a pair with {serving['transformer_2']!r}; "
+                         f"export the pair whole with --lora merged, or each expert's adapter alone with "
+                         f"--expert {name} --pipeline false and --expert {serving['transformer_2']} --pipeline false")
     os.makedirs(out, exist_ok=True)
     if lora_files is not None and not with_base:  # the adapter alone, and the settings to serve it with
         lora_files.write(out)
@@ -109,6 +114,9 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
     image_encoder = parts.model(serving["image_encoder"]) if serving.get("image_encoder") else None
     components = adapter.pipeline_components(model, parts.model(serving.get("vae", "vae")),
                                              list(zip(text_encoders, tokenizers)), image_encoder)
+    if serving.get("transformer_2") and name == serving.get("transformer"):  # a pair of noise experts (Wan 2.2)
+        components.update(transformer_2=_pair_expert(parts, serving["transformer_2"], lora),
+                          boundary_ratio=serving["boundary_ratio"])
     for key, value in components.items():
         if isinstance(value, torch.nn.Module):
             presets.cast(value, weights_dtype)
@@ -119,6 +127,19 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
         lora_files.write(out)
     _write_serving(out, adapter, type(pipe), name, serving)
     return out
+
+
+def _pair_expert(parts: "_Parts", name: str, lora: str) -> torch.nn.Module:
+    """The low-noise expert of a pair as the pipeline's ``transformer_2``: whole weights (a LoRA expert's adapter
+    fused in with ``--lora merged``)."""
+    model = parts.model(name)
+    if parts.lora(name) is not None:
+        if lora != "merged":
+            raise ValueError(f"export: the low-noise expert {name!r} carries a LoRA adapter; export the pair with "
+                             f"--lora merged, or each adapter alone with --expert {name} --pipeline false")
+        model.fuse_lora(lora_scale=1.0)
+        model.unload_lora()
+    return model
 
 
 def _write_serving(out: str, adapter, pipeline_class: type, name: str, serving: dict[str, Any]) -> None:
@@ -167,14 +188,32 @@ class _Parts:
 
     def model(self, name: str) -> torch.nn.Module:
         """Component ``name`` through the one model recipe (``presets.build_model``): its config and weights from the
-        checkpoint (with its LoRA adapter, if it carries one), or a frozen expert the checkpoint leaves out from
-        its own source."""
+        checkpoint (with its LoRA adapter, if it carries one); a frozen expert the checkpoint leaves out from its own
+        source; a LoRA expert (or its EMA / ``old`` copy) whose base the checkpoint leaves out from the base's source
+        with the checkpoint's adapter loaded on top."""
         prefix = f"card.models.{name}."
         state = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
         if not state:  # not in the checkpoint: the expert's own source (a frozen expert)
             source = self.source(name)
             return presets.build_model(source["arch"], source.get("pretrained"), source.get("subfolder"),
-                                       source.get("preset") or None)
+                                       source.get("preset") or None, published=source.get("published"))
+        if name in (self.meta.get("frozen") or {}):  # a LoRA base left out: from its source, the adapter on top
+            source = self.source(name)
+            model = presets.build_model(source["arch"], source.get("pretrained"), source.get("subfolder"),
+                                        source.get("preset") or None, dtype_of(source.get("dtype") or "float32"),
+                                        lora=self.lora(name), published=source.get("published"))
+            from peft.tuners.lora import LoraLayer
+
+            adapter_layers = set(LoraLayer.adapter_layer_names)
+            unexpected = sorted(set(state) - set(model.state_dict()))
+            lacking = sorted(k for k in model.state_dict()
+                             if k not in state and not adapter_layers.isdisjoint(k.split(".")))
+            if unexpected or lacking:
+                raise ValueError(f"export: {name!r} in {self.path!r}: the checkpoint's weights do not fit the model "
+                                 f"its source builds: unexpected {unexpected[:5]}, adapter weights missing "
+                                 f"{lacking[:5]}")
+            model.load_state_dict(state, strict=False)  # the base keys it lacks are the source's
+            return model.eval()
         try:
             model = presets.build_model(self.arch(name), config=self.meta["configs"][name], weights=state,
                                         lora=self.lora(name))

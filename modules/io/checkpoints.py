@@ -2,9 +2,11 @@
 
 Every checkpoint is a folder ``<name>.ckpt/``, whatever the strategy::
 
-    lightning.pt       the Lightning state (weights, optimizers, loops, RNGs, versions, data position)
+    lightning.pt       the Lightning state (weights, optimizers, loops, RNGs, versions, data position); without what
+                       a source rebuilds (frozen experts read from files, LoRA bases: ``lit/engine/resume.py``)
     sharded.json       (ShardedExpertsStrategy) ZeRO stage and world size of each sharded expert
-    <expert>/zero/...  (ShardedExpertsStrategy) one ``engine.save_checkpoint`` folder per sharded expert
+    <expert>/zero/...  (ShardedExpertsStrategy) one ``engine.save_checkpoint`` folder per sharded expert (a LoRA
+                       expert's without its base)
     adapter/           (a LoRA run, ``callbacks/checkpoints.py``) the served LoRA adapter alone (``modules/io/lora.py``)
     manifest.json      size and SHA-256 of every other file; written last, it marks the folder complete
 
@@ -532,12 +534,20 @@ def gather_sharded(folder: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 def full_weights(expert_dir: str) -> dict[str, torch.Tensor]:
     """One sharded expert's full fp32 weights, rebuilt from its ZeRO shard folder ``expert_dir`` (verified by the
-    caller) by ``deepspeed.utils.zero_to_fp32``, under ``restricted_unpickling``."""
+    caller) by ``deepspeed.utils.zero_to_fp32``, under ``restricted_unpickling``; without the frozen weights a
+    checkpoint saved with ``exclude_frozen_parameters`` leaves out (a LoRA base: its source rebuilds it).
+
+    Plain tensors: ``zero_to_fp32`` slices the weights out of the optimizer's flat fp32 partitions, which it loads as
+    they were saved (requiring grad), so each came back as a view with autograd history (``ViewBackward0``) that
+    ``copy.deepcopy`` refuses; they are detached here. Under ZeRO-2 they stay views of one flat buffer per parameter
+    group (no copy: a clone would hold the expert's fp32 weights twice at the peak); ``torch.save`` of a view writes
+    its whole buffer, so a caller that keeps or saves a few of them alone clones those."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tag = ZERO_TAG if os.path.isdir(os.path.join(expert_dir, ZERO_TAG)) else None
     with restricted_unpickling(expert_dir):
-        return get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
+        weights = get_fp32_state_dict_from_zero_checkpoint(expert_dir, tag=tag)
+    return {key: value.detach() for key, value in weights.items()}
 
 
 def to_universal(shards: str, out: str, stage: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import re
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 import torch
 from torch import nn
 
-from posttrain.modules.models import presets
+from posttrain.modules.models import fp8, presets
 from posttrain.modules.models.cache import EmbeddingCache
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
@@ -58,6 +59,10 @@ class Expert:
     pretrained: Optional[str] = None
     subfolder: Optional[str] = None
     preset: dict[str, Any] = field(default_factory=dict)
+    # a published model's component at real size with random weights from a fixed seed (the same card builds the
+    # same weights), instead of `pretrained`: e.g. "Wan2.1-T2V-14B" (modules/models/published.py lists the names);
+    # `subfolder` picks the component where the arch alone does not, `preset` overrides keys of its config
+    published: Optional[str] = None
     tokenizer: Optional[str] = None  # text encoders / LMs; None = ByT5Tokenizer()
     trainable: bool = False
     optimizer: Optional[OptimizerCallable] = None
@@ -68,7 +73,13 @@ class Expert:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     lora: Optional[LoraConfig] = None
     gradient_checkpointing: bool = False
+    # the tensors the training forward saves for backward (with gradient checkpointing: the block inputs) go to
+    # host memory during the forward and come back for backward (torch.autograd.graph.save_on_cpu)
+    offload_activations: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the Linear layers of its blocks stored in float8 (e4m3, a scale per output channel; optimum-quanto) and computed
+    # in `dtype`: a frozen expert, or the base of a LoRA expert (the adapter stays in `dtype`); modules/models/fp8.py
+    fp8: bool = False
     # start from the weights of this other expert of the card, after both are built (e.g. a DMD2 student
     # and critic from the teacher; a block-causal student from a bidirectional teacher of the same config)
     init_from: Optional[str] = None
@@ -85,9 +96,30 @@ class Expert:
     def __post_init__(self):
         # `--…experts.NAME.init_from null` on the command line reaches a dict-valued card as the string 'None'
         # (jsonargparse 4.x, through the model's class_path); read it, and 'null', as the null it was
-        for key in ("pretrained", "subfolder", "tokenizer", "init_from", "attention_backend"):
+        for key in ("pretrained", "published", "subfolder", "tokenizer", "init_from", "attention_backend"):
             if getattr(self, key) in ("None", "null"):
                 setattr(self, key, None)
+
+
+def published_problems(name: str, spec: Expert) -> list[str]:
+    """What is wrong with expert ``name``'s ``published`` setting: a name or component the catalogue does not know
+    (``modules/models/published.py``), or a ``pretrained`` folder beside it."""
+    from posttrain.modules.models import published
+
+    problems = []
+    if spec.pretrained is not None:
+        problems.append(f"both pretrained={spec.pretrained!r} and published={spec.published!r}: published builds random "
+                        f"weights of that architecture, pretrained loads the folder's; keep one (on the command line: "
+                        f"--model.init_args.card.experts.{name}.published null)")
+    if spec.sharded and spec.zero.stage == 3:
+        problems.append(f"published={spec.published!r} with ZeRO-3 (sharded, zero.stage 3): a ZeRO-3 expert is built "
+                        f"partitioned from a folder's weights; use zero.stage 2, or a `pretrained` folder")
+    if spec.arch in presets.PRESETS:
+        try:
+            published.component(spec.published, spec.arch, spec.subfolder)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -108,10 +140,18 @@ class ModelCard(nn.Module):
             text encoder's dtype.
         cache_device: keep cached rows where the encoder runs (``model``) or in host memory (``cpu``; they
             move to the device per batch) — at 512×4096 bf16 a row is 4 MiB.
+        offload_encoders: keep the frozen text encoders in host memory, and the VAE's encoder too when the data
+            brings latents; the run's prompts are encoded at the start of fit, before the model goes to the device
+            (``lit.engine.encoders``), and a prompt not in the cache brings its encoder over for that call. Needs
+            ``cache_device: cpu``. Off by default: each miss copies the encoder to the device (UMT5-XXL: 11 GiB).
+        boundary_ratio: a pair of noise experts (Wan 2.2 A14B): ``transformer`` denoises the steps whose timestep
+            is >= ``boundary_ratio · num_train_timesteps``, ``transformer_2`` the rest (diffusers' ``WanPipeline``
+            names and rule; Wan2.2-T2V-A14B: 0.875). Set exactly when the card has a ``transformer_2``.
     """
 
     def __init__(self, experts: dict[str, Expert], num_refiners: int = 0, refiner: Optional[Expert] = None,
-                 text_max_length: int = 64, cache_size: int = 8192, cache_device: Literal["model", "cpu"] = "model"):
+                 text_max_length: int = 64, cache_size: int = 8192, cache_device: Literal["model", "cpu"] = "model",
+                 offload_encoders: bool = False, boundary_ratio: Optional[float] = None):
         super().__init__()
         specs = dict(experts)
         for i in range(num_refiners):
@@ -122,6 +162,9 @@ class ModelCard(nn.Module):
         self.num_refiners = num_refiners
         self.text_max_length = text_max_length
         self.cache_size_problem = f"cache_size={cache_size} must be >= 1" if cache_size < 1 else None
+        self.offload_problem = ("offload_encoders=true keeps the text encoders in host memory, and their rows with "
+                                "them: set `cache_device: cpu`") if offload_encoders and cache_device != "cpu" else None
+        self.boundary_ratio = boundary_ratio
         self._refiner_template = refiner
         self.validate()
         self.models = nn.ModuleDict()
@@ -132,6 +175,8 @@ class ModelCard(nn.Module):
         # runners are not submodules of the card (its state dict holds the models alone)
         self._runners: dict[str, Callable[..., Any]] = {}
         self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
+        self.offload_encoders = offload_encoders
+        self.parked: dict[str, Parked] = {}  # path of a module kept in host memory (``park``)
 
     def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
         """Expert ``name``'s optimizer over ``params``; a refused setting names the expert's option."""
@@ -169,8 +214,16 @@ class ModelCard(nn.Module):
             if spec.pretrained is not None and (err := presets.check_pretrained(spec.pretrained)):
                 problems.append(f"expert {name!r}: {err}")
                 missing.setdefault(spec.pretrained)
+            if spec.published is not None:
+                problems += [f"expert {name!r}: {problem}" for problem in published_problems(name, spec)]
             if spec.lora is not None and not spec.trainable:
                 problems.append(f"expert {name!r} has a LoRA adapter but trainable=false")
+            if spec.fp8 and spec.trainable and spec.lora is None:
+                problems.append(f"expert {name!r}: fp8 stores frozen weights, and {name!r} trains all of its weights "
+                                f"(trainable without lora); add a `lora:` adapter (its base may be fp8) or drop fp8")
+            if spec.fp8 and spec.sharded:
+                problems.append(f"expert {name!r}: fp8 with sharded=true: DeepSpeed flattens a sharded expert's "
+                                f"weights into its own buffers, which float8 weights are not; drop one of the two")
             if spec.init_from is not None and spec.pretrained is not None:
                 problems.append(f"expert {name!r}: both pretrained={spec.pretrained!r} and init_from={spec.init_from!r}; "
                                 f"init_from would copy {spec.init_from!r}'s weights over the folder's. Keep one (on the "
@@ -199,8 +252,32 @@ class ModelCard(nn.Module):
                             "for `posttrain estimate`")
         if self.cache_size_problem:
             problems.append(self.cache_size_problem)
+        if self.offload_problem:
+            problems.append(self.offload_problem)
+        problems += self.pair_problems()
         if problems:
             raise ValueError("invalid model card:\n  - " + "\n  - ".join(problems))
+
+    def pair_problems(self) -> list[str]:
+        """A ``boundary_ratio`` without a pair of generators ``X``, ``X_2`` to hand over between, or the other way
+        round."""
+        def generator(name: str) -> bool:
+            spec = self.specs.get(name)
+            return spec is not None and spec.arch in presets.PRESETS and \
+                presets.architecture(spec.arch).kind == "generator"
+
+        pairs = [name for name in self.specs if name.endswith("_2") and generator(name) and generator(name[:-2])]
+        if self.boundary_ratio is None:
+            return [f"expert {name!r} is the low-noise expert of a pair with {name[:-len('_2')]!r}: set the card's "
+                    f"boundary_ratio (where the pair hands over, a fraction of the train timesteps; Wan2.2-T2V-A14B: "
+                    f"0.875, I2V: 0.9)" for name in pairs]
+        problems = []
+        if not 0.0 < self.boundary_ratio < 1.0:
+            problems.append(f"boundary_ratio={self.boundary_ratio} must be in (0, 1) (Wan2.2-T2V-A14B: 0.875)")
+        if not pairs:
+            problems.append(f"boundary_ratio={self.boundary_ratio} hands the low-noise steps to `transformer_2`, "
+                            f"which the card lacks: add a `transformer_2` expert, or drop boundary_ratio")
+        return problems
 
     @property
     def built(self) -> bool:
@@ -214,11 +291,15 @@ class ModelCard(nn.Module):
         An expert with ``init_from`` then takes the named expert's weights (before any LoRA adapter is added).
         """
         built = {}
+        # an expert copied from or into (init_from) is quantized after the copy, which reads and writes full weights
+        copied = {name for name, spec in self.specs.items() if spec.init_from is not None} | {
+            spec.init_from for spec in self.specs.values() if spec.init_from is not None}
         for name, spec in self.specs.items():
             try:
                 model = build_expert(name, spec) if build_expert is not None else None
                 built[name] = model if model is not None else presets.build_model(
-                    spec.arch, spec.pretrained, spec.subfolder, spec.preset, dtype_of(spec.dtype))
+                    spec.arch, spec.pretrained, spec.subfolder, spec.preset, dtype_of(spec.dtype),
+                    published=spec.published, fp8=spec.fp8 and name not in copied)
             except ValueError as err:
                 raise ValueError(f"expert {name!r}: {err}") from err
         for name, spec in self.specs.items():
@@ -236,7 +317,12 @@ class ModelCard(nn.Module):
             tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
             if tokenizer is not None:
                 self.tokenizers[name] = tokenizer
-            if spec.lora is not None:  # after init_from: the copied weights are the adapter's base
+            if spec.fp8 and name in copied:
+                fp8.quantize(model)
+            if spec.fp8 and not fp8.is_quantized(model):
+                raise ValueError(f"expert {name!r}: fp8=true, but {type(model).__name__} has no Linear layer inside "
+                                 f"repeated blocks to store in float8; remove the option")
+            if spec.lora is not None:  # after init_from and fp8: the copied weights are the adapter's base
                 presets.add_lora(model, spec.lora)
             if spec.gradient_checkpointing and hasattr(model, "enable_gradient_checkpointing"):
                 model.enable_gradient_checkpointing()
@@ -268,7 +354,7 @@ class ModelCard(nn.Module):
         self.versions[name] = self.versions[of]
         if role == "reference" and self.specs[of].lora is not None:
             return name
-        clone = copy.deepcopy(self.models[of])
+        clone = copy.deepcopy(self.models[of], fp8.shared(self.models[of]))  # float8 weights: shared, never train
         freeze(clone)
         self.models[name] = clone
         return name
@@ -321,35 +407,67 @@ class ModelCard(nn.Module):
         """What a checkpoint must match to be loaded into this card: names, classes, training flags."""
         sig = {name: {"arch": spec.arch, "trainable": spec.trainable, "sharded": spec.sharded,
                       "lora": spec.lora is not None} for name, spec in self.specs.items()}
+        for name, spec in self.specs.items():  # written only when set, so checkpoints from before still match
+            if spec.fp8:  # float8 weights hold other state-dict keys (weight._data, weight._scale)
+                sig[name]["fp8"] = True
+            if self.boundary_ratio is not None and name.endswith("_2"):  # where a pair of noise experts hands over
+                sig[name]["boundary_ratio"] = self.boundary_ratio
         sig.update({name: {"role_of": of, "role": role} for name, (of, role) in self.roles.items()})
         return sig
 
     def sources(self) -> dict[str, dict[str, Any]]:
         """Where each expert's weights come from (plain types: written into checkpoints and read by export)."""
-        return {name: {"arch": spec.arch, "pretrained": spec.pretrained, "subfolder": spec.subfolder,
-                       "preset": dict(spec.preset), "tokenizer": spec.tokenizer, "dtype": spec.dtype,
-                       "trainable": spec.trainable, "lora": None if spec.lora is None else asdict(spec.lora),
-                       "init_from": spec.init_from}
+        return {name: {"arch": spec.arch, "pretrained": spec.pretrained, "published": spec.published,
+                       "subfolder": spec.subfolder, "preset": dict(spec.preset), "tokenizer": spec.tokenizer,
+                       "dtype": spec.dtype, "fp8": spec.fp8, "trainable": spec.trainable,
+                       "lora": None if spec.lora is None else asdict(spec.lora), "init_from": spec.init_from}
                 for name, spec in self.specs.items()}
 
     def reloadable(self) -> list[str]:
-        """Frozen experts whose weights a file holds (``pretrained`` or a shipped trained asset): checkpoints leave
-        them out and a resume reloads them from there. A frozen expert of random preset weights (no file) stays
-        in checkpoints; so do roles (EMA, old, reference), which move or copy a trained expert."""
+        """Experts whose frozen weights a resume rebuilds exactly from their source, so that checkpoints leave those
+        weights out (``frozen_state``) and keep their digest (``weights_digest``) to refuse a source that changed.
+
+        A source rebuilds an expert exactly when a file holds its weights (``pretrained`` or a shipped trained asset)
+        or when it is a published architecture built from a fixed seed (``published``). What is left out: all of a
+        frozen expert; only the base of a LoRA expert (its adapter and anything else that trains stay in
+        checkpoints; a sharded one's engine saves without it: ``exclude_frozen_parameters``). Kept whole: a frozen
+        expert of random preset weights, an expert built with ``init_from``; roles (EMA, old, reference) are the
+        trained expert's copies (``lit/engine/resume.py`` leaves out a LoRA role's base where it equals the
+        expert's)."""
         names = []
         for name, spec in self.specs.items():
-            from_file = presets.loads_weights(spec.arch, spec.pretrained, spec.preset)
-            if not spec.trainable and from_file and spec.init_from is None and name in self.models:
+            rebuilt = presets.loads_weights(spec.arch, spec.pretrained, spec.preset) or spec.published is not None
+            frozen_part = not spec.trainable or spec.lora is not None
+            if rebuilt and frozen_part and spec.init_from is None and name in self.models:
                 names.append(name)
         return names
 
-    def weights_digest(self, name: str) -> str:
-        """SHA-256 of expert ``name``'s weights (names, dtypes, shapes, bytes), to tell that a source changed."""
+    def frozen_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The state-dict entries of component ``name`` that never train: all of a frozen expert's; a LoRA model's
+        base (every entry but the adapter's layers, peft's ``LoraLayer.adapter_layer_names``, and the parameters
+        that train)."""
+        model = self.models[name]
+        state = model.state_dict()
+        expert = self.roles[name][0] if name in self.roles else name  # a role copies its expert's layers
+        if self.specs[expert].lora is None:
+            return state
+        from peft.tuners.lora import LoraLayer
+
+        adapter = set(LoraLayer.adapter_layer_names)
+        trained = {key for key, param in model.named_parameters() if param.requires_grad}
+        return {key: value for key, value in state.items()
+                if key not in trained and adapter.isdisjoint(key.split("."))}
+
+    def weights_digest(self, name: str, frozen_only: bool = False) -> str:
+        """SHA-256 of expert ``name``'s weights (names, dtypes, shapes, bytes), to tell that a source changed;
+        ``frozen_only``: of the weights that never train (``frozen_state``: a LoRA expert's base)."""
         digest = hashlib.sha256()
-        for key, tensor in sorted(self.models[name].state_dict().items()):
+        state = self.frozen_state(name) if frozen_only else self.models[name].state_dict()
+        for key, tensor in sorted(state.items()):
             tensor = tensor.detach().cpu().contiguous()
             digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            # reshape: a 0-d tensor (a float8 layer's activation scale) has no byte view
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
         return digest.hexdigest()
 
     def describe(self) -> dict[str, Any]:
@@ -361,6 +479,91 @@ class ModelCard(nn.Module):
         """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
         ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
         return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+    def park(self, path: str, device: torch.device) -> None:
+        """Keep the frozen module at ``path`` (an expert, ``text_encoder``, or part of one, ``vae.encoder``) in host
+        memory, whatever moves the card; a call to it runs on ``device`` (``Parked``)."""
+        name, _, sub = path.partition(".")
+        if self.specs[name].trainable:
+            raise ValueError(f"cannot keep {path!r} in host memory: expert {name!r} trains")
+        if path not in self.parked:
+            module = self.models[name].get_submodule(sub) if sub else self.models[name]
+            self.parked[path] = Parked(module, device)
+
+
+class Parked:
+    """A frozen module whose weights live in host memory between calls: each call copies them to ``device`` (and
+    the call's tensor arguments there), runs, hands its output back on the device the caller's first tensor came
+    from, and drops the device copy, pointing the module back at the host copy (the weights are frozen: nothing
+    to copy back). Host copies are pinned on CUDA, so the copy runs at the link's speed. ``calls`` counts the
+    calls that brought it to the device."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.device = torch.device(device)
+        self.tensors = [*module.parameters(), *module.buffers()]
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.host = [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in self.tensors]
+        self.calls = 0
+        self._held = False
+        self._home()
+        module.register_forward_pre_hook(self._to_device, with_kwargs=True)
+        module.register_forward_hook(self._back, always_call=True)
+        # the module stays where it is parked when its parent moves (Lightning's `model.to(device)`)
+        for sub in module.modules():
+            sub._apply = functools.partial(_kept, sub)
+
+    def _home(self) -> None:
+        for tensor, host in zip(self.tensors, self.host):
+            tensor.data = host
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """On ``device`` for the whole block (many calls, one copy)."""
+        for tensor, host in zip(self.tensors, self.host):
+            tensor.data = host.to(self.device)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            self._home()
+
+    def _to_device(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if self._held:
+            return None
+        self.calls += 1
+        self._caller = next((x.device for x in (*args, *kwargs.values()) if torch.is_tensor(x)), self.device)
+        for tensor, host in zip(self.tensors, self.host):
+            tensor.data = host.to(self.device, non_blocking=True)
+        # top-level tensors only: a list argument may be state the module fills in place (a VAE's feature cache)
+        move = lambda x: x.to(self.device) if torch.is_tensor(x) else x  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    def _back(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self._held:
+            return output
+        self._home()
+        if isinstance(output, dict):  # a transformers ModelOutput: set in place (it keeps its attributes in step)
+            for key, value in output.items():
+                output[key] = _moved(value, self._caller)
+            return output
+        return _moved(output, self._caller)
+
+
+def _kept(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` of a parked module: nothing moves it (``Parked`` does)."""
+    return module
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors (at any depth of tuples, lists and dicts) on ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
 
 
 class Routed:

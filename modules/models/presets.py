@@ -29,6 +29,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from posttrain.modules.models import fp8 as float8
 from posttrain.modules.models.generators import ARCHITECTURES as _FAMILIES
 from posttrain.modules.models.generators.base import BYT5_VOCAB, TEXT_DIM, Architecture, TrainingForward
 
@@ -139,13 +140,15 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
                 preset: dict[str, Any] | None = None, dtype: torch.dtype | None = None, *,
                 weights: Union[Literal["stored", "init"], Mapping[str, torch.Tensor]] = "stored",
                 config: Optional[Mapping[str, Any]] = None, lora: Any = None,
-                device: Optional[str] = None) -> torch.nn.Module:
+                device: Optional[str] = None, published: Optional[str] = None, fp8: bool = False) -> torch.nn.Module:
     """One real model of ``arch``: the one recipe every model of the package is built by (a card's experts, a
     ZeRO-3 expert's partitioned build, ``posttrain estimate``'s meta models, ``posttrain export``'s rebuild).
 
-    Its config is ``config`` (a checkpoint's) when given; else that of the folder holding its stored weights
-    (``pretrained`` + ``subfolder``, or the shipped asset of a preset without overrides); else the tiny preset
-    with the ``preset`` overrides.
+    Its config is ``config`` (a checkpoint's) when given; else, with ``published`` (a name of
+    ``modules/models/published.py``), that published model's component (``subfolder``, or the one of ``arch``) with
+    the ``preset`` overrides, its weights random from a fixed seed (``published.materialize``); else that of the folder
+    holding its stored weights (``pretrained`` + ``subfolder``, or the shipped asset of a preset without overrides);
+    else the tiny preset with the ``preset`` overrides.
 
     Args:
         weights: ``"stored"``: the folder's weights (``from_pretrained``), random ones for a preset; ``"init"``: as
@@ -156,11 +159,32 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
         lora: attach this LoRA adapter (``rank``, ``alpha``, ``target_modules``: a mapping or an object with
             those attributes; ``add_lora``).
         device: ``"meta"``: nothing is read or allocated (shapes and dtypes only).
+        fp8: the Linear layers of its blocks stored in float8, computed in ``dtype`` (``modules/models/fp8.py``),
+            before any LoRA adapter; stored weights stream in block by block (``fp8.load``), a published model's are
+            drawn block by block (``fp8.materialize``), so no full-precision copy is held. Not on ``"meta"``.
     """
     spec = architecture(arch)
+    if fp8 and (weights != "stored" or device is not None):
+        what = weights if isinstance(weights, str) else "a state dict"
+        raise ValueError(f"fp8 quantizes the weights the build fills itself, not weights={what!r} on "
+                         f"device={device!r}: build without fp8 and call fp8.quantize once the weights are in")
+    if published is not None and config is None:
+        from posttrain.modules.models import published as catalog
+
+        config = catalog.config(published, arch, subfolder, preset, spec.codec)
+        if weights == "stored" and device is None:  # real size: built on meta, filled module by module
+            with catalog.empty_weights():
+                model = cast(_from_config(spec.cls, config, preset=True), dtype)
+            seed = catalog.seed_of(published, arch, subfolder)
+            if fp8:  # each block stored in float8 as soon as it is filled
+                model = float8.materialize(model, lambda view: catalog.materialize(view, seed), fp8=True)
+            else:
+                model = catalog.materialize(model, seed)
+            return add_lora(model, lora) if lora is not None else model
     with torch.device(device) if device is not None else contextlib.nullcontext():
         if weights == "stored" and config is None and device is None and loads_weights(arch, pretrained, preset):
-            model = _from_pretrained(arch, pretrained, subfolder, dtype)
+            model = _streamed(arch, pretrained, subfolder, dtype) if fp8 else _from_pretrained(arch, pretrained,
+                                                                                                subfolder, dtype)
         else:
             if config is not None:
                 model = _from_config(spec.cls, {k: v for k, v in config.items() if not k.startswith("_")})
@@ -172,6 +196,8 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
                     merged = spec.codec.preset(merged, dict(preset or {}))
                 model = _from_config(spec.cls, merged, preset=True)
             model = cast(model, dtype)
+            if fp8:
+                float8.quantize(model)
         if lora is not None:
             add_lora(model, lora)
     if isinstance(weights, Mapping):
@@ -203,6 +229,17 @@ def _from_pretrained(arch: str, pretrained: str | None, subfolder: str | None,
             f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Give a local folder in the "
             f"layout `save_pretrained` writes, or drop `pretrained` to use the tiny preset."
         ) from err
+
+
+def _streamed(arch: str, pretrained: str | None, subfolder: str | None, dtype: torch.dtype | None) -> torch.nn.Module:
+    """The folder's weights with the Linear layers of each block in float8: built on the meta device from the
+    folder's config, then filled from its safetensors tensor by tensor, each block quantized as it completes
+    (``fp8.load``)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # buffers real: rotary tables are computed from the config
+        model = build_model(arch, pretrained, subfolder, dtype=dtype, weights="init")
+    return float8.load(model, weight_files(weights_folder(arch, pretrained, subfolder)), fp8=True)
 
 
 def _check_class(arch: str, pretrained: str, subfolder: str | None) -> None:
@@ -242,13 +279,17 @@ def _from_config(cls: type, config, preset: bool = False) -> torch.nn.Module:
 
 def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     """Attach a peft LoRA adapter to ``model`` (``lora``: ``rank``, ``alpha``, ``target_modules`` as a mapping or
-    attributes), its base weights frozen: the one place the package attaches one."""
+    attributes), its base weights frozen: the one place the package attaches one. The adapter's weights are float32
+    whatever the base's dtype (peft's ``cast_adapter_dtype``, what its ``get_peft_model`` does): a bf16 or fp8 base
+    computes in bf16, the adapter and its optimizer state keep full precision."""
     from peft import LoraConfig as PeftLoraConfig
+    from peft.tuners.tuners_utils import cast_adapter_dtype
 
     get = lora.get if isinstance(lora, Mapping) else lambda key: getattr(lora, key)
     model.requires_grad_(False)
     model.add_adapter(PeftLoraConfig(r=get("rank"), lora_alpha=get("alpha"), target_modules=list(get("target_modules")),
                                      init_lora_weights=True))
+    cast_adapter_dtype(model, adapter_name="default")
     return model
 
 

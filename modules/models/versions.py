@@ -37,7 +37,8 @@ class SyncPlan:
         holds other modules (the cache keeps them alive, so a module's identity cannot be reused)."""
         if self._resolved is None or self._resolved[0] is not source or self._resolved[1] is not target:
             src = dict(source.named_parameters())
-            pairs = [(p, src[name]) for name, p in target.named_parameters()]
+            # a tensor the two share (a role's float8 weights, fp8.shared) is in sync already
+            pairs = [(p, src[name]) for name, p in target.named_parameters() if p is not src[name]]
             params = len(pairs)
             src_buffers = dict(source.named_buffers())
             pairs += [(b, src_buffers[name]) for name, b in target.named_buffers() if b.is_floating_point()]

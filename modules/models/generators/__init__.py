@@ -91,6 +91,12 @@ class GeneratorStage:
         embedded_guidance: the guidance value a guidance-distilled FLUX embeds (FluxPipeline's
             ``guidance_scale``); None = the adapter's default (``Flux.embedded_guidance``); ignored by weights
             without ``guidance_embeds``.
+        num_train_timesteps: the sampler's scheduler's (``FlowMatchSampler.num_train_timesteps``): a pair of
+            noise experts hands over at ``card.boundary_ratio`` times it.
+
+    A pair of noise experts (Wan 2.2 A14B; the card's ``boundary_ratio``): the card holds ``<transformer>_2`` too,
+    and running the stage's transformer (or a role of either expert, ``transformer_reference``) runs the pair,
+    each row through the expert whose range holds its timestep (``noise_experts``), as ``WanPipeline`` does.
     """
 
     card: Card
@@ -99,6 +105,7 @@ class GeneratorStage:
     text_encoders: Optional[tuple[str, ...]] = None
     image_encoder: Optional[str] = None
     embedded_guidance: Optional[float] = None
+    num_train_timesteps: int = 1000
 
     def __post_init__(self):
         if self.image_encoder is None and self.card.has(self._prefix + "image_encoder"):
@@ -135,6 +142,56 @@ class GeneratorStage:
     def encoders(self) -> tuple[str, ...]:
         return tuple(self.text_encoders or self.adapter.text_encoders)
 
+    # ------------------------------------------------------------------ a pair of noise experts
+    @property
+    def transformer_2(self) -> Optional[str]:
+        """The low-noise expert of a pair (``<transformer>_2``, diffusers' ``transformer_2``); None for one
+        generator."""
+        name = f"{self.transformer}_2"
+        return name if getattr(self.card, "boundary_ratio", None) is not None and self.card.has(name) else None
+
+    @property
+    def generators(self) -> tuple[str, ...]:
+        """The stage's generator experts: the transformer, and ``transformer_2`` of a pair."""
+        return (self.transformer,) if self.transformer_2 is None else (self.transformer, self.transformer_2)
+
+    @property
+    def boundary_timestep(self) -> Optional[float]:
+        """``boundary_ratio · num_train_timesteps`` (``WanPipeline``): the high-noise expert of a pair runs where
+        t >= it; None on a card without a pair."""
+        ratio = getattr(self.card, "boundary_ratio", None)
+        return None if ratio is None else ratio * self.num_train_timesteps
+
+    def pair_of(self, name: str) -> Optional[tuple[str, str]]:
+        """(high-noise, low-noise) components that running ``name`` runs, on a card with a ``boundary_ratio``: for an
+        expert ``X`` with a partner ``X_2`` (the stage's transformer, a DMD2 ``teacher``) the pair itself; for a role
+        of either expert of a pair (``transformer_reference``, ``transformer_2_old``) each expert's copy in that role
+        where the card has one, else the expert (a frozen expert is its own reference). None where ``name`` runs
+        alone (one generator, ``transformer_2`` named on its own, a critic)."""
+        if getattr(self.card, "boundary_ratio", None) is None:
+            return None
+        of, role = getattr(self.card, "roles", {}).get(name, (name, None))
+        if self.card.has(f"{of}_2") and of in self.card.specs:
+            pair = (of, f"{of}_2")
+        elif role is not None and of.endswith("_2") and of[:-2] in self.card.specs:
+            pair = (of[:-2], of)
+        else:
+            return None
+        return pair if role is None else tuple(f"{n}_{role}" if self.card.has(f"{n}_{role}") else n for n in pair)
+
+    def sigma_range(self, experts: list[str]) -> tuple[float, float]:
+        """[low, high] of σ = t / num_train_timesteps (after any flow shift) that ``experts`` of the pair denoise:
+        [boundary_ratio, 1] for ``transformer`` alone, [0, boundary_ratio] for ``transformer_2`` alone, else [0, 1]."""
+        if self.transformer_2 is None or set(self.generators) <= set(experts):
+            return 0.0, 1.0
+        b = self.card.boundary_ratio
+        return (b, 1.0) if self.transformer in experts else (0.0, b)
+
+    def expert_at(self, timestep: float) -> str:
+        """The expert of the pair that runs at ``timestep`` (the stage's transformer for one generator)."""
+        boundary = self.boundary_timestep
+        return self.transformer if self.transformer_2 is None or timestep >= boundary else self.transformer_2
+
     @property
     def takes_image(self) -> bool:
         return self.adapter.takes_image
@@ -150,6 +207,9 @@ class GeneratorStage:
             problems.append(f"the card has no {self.vae!r}")
         if arch is None:
             return problems
+        if self.transformer_2 is not None:  # the low-noise expert is driven like the high-noise one
+            spec = self.card.specs[self.transformer_2]
+            problems += self.peer_problems(self.transformer_2, "the low-noise expert", spec.trainable)
         wanted = self.adapter.text_encoders
         if len(self.encoders) != len(wanted):
             problems.append(f"{type(self.adapter).__name__} ({self.transformer!r}) reads {len(wanted)} text encoders "
@@ -209,10 +269,33 @@ class GeneratorStage:
     @contextlib.contextmanager
     def velocity(self, name: Optional[str] = None) -> Iterator[VelocityFn]:
         """The velocity function of component ``name`` (default: the stage's transformer); a LoRA
-        reference runs the policy with its adapter off inside the context."""
+        reference runs the policy with its adapter off inside the context. Every training forward runs here: for
+        an expert with ``offload_activations`` a call with grad saves its tensors for backward in host memory."""
+        name = name or self.transformer
+        pair = self.pair_of(name)
+        if pair is None:
+            with self.card.use(name) as module:
+                yield self._velocity_of(name, module)
+            return
+        with self.card.use(pair[0]) as high, self.card.use(pair[1]) as low:
+            yield noise_experts(self._velocity_of(pair[0], high), self._velocity_of(pair[1], low),
+                                self.boundary_timestep)
+
+    def _velocity_of(self, name: str, module: torch.nn.Module) -> VelocityFn:
+        """The adapter's velocity of ``module`` (component ``name``), its activations in host memory when the
+        expert says ``offload_activations``."""
         adapter = self.adapter
-        with self.card.use(name or self.transformer) as module:
-            yield lambda x, t, cond, **model_kwargs: adapter.velocity(module, x, t, cond, **model_kwargs)
+        spec = self.card.specs.get(name)
+        offload = spec is not None and spec.offload_activations
+
+        def velocity(x, t, cond, **model_kwargs):
+            saved = contextlib.nullcontext()
+            if offload and torch.is_grad_enabled():  # pinned host buffers: the copies overlap the compute on CUDA
+                saved = torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
+            with saved:
+                return adapter.velocity(module, x, t, cond, **model_kwargs)
+
+        return velocity
 
     def new_cache(self, name: Optional[str] = None):
         """An empty KV cache of component ``name`` (default: the stage's transformer), which must be block-causal."""
@@ -254,3 +337,25 @@ class GeneratorStage:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.card[self.vae]
         return codec_of(vae).decode(vae, latents)
+
+
+def noise_experts(high: VelocityFn, low: VelocityFn, boundary_timestep: float) -> VelocityFn:
+    """One velocity function over a pair of noise experts: each row runs ``high`` where its timestep is
+    ``>= boundary_timestep``, else ``low`` (``WanPipeline``'s rule for ``transformer`` / ``transformer_2``). A
+    sampling step reads one timestep for all rows, so it runs one expert; a training batch of mixed noise levels
+    runs each expert on its rows, and gradients reach each expert from its rows alone."""
+
+    def velocity(x, t, cond, **model_kwargs):
+        t = t.expand(x.shape[0]) if t.ndim else t.reshape(1).expand(x.shape[0])
+        is_high = t >= boundary_timestep
+        if bool(is_high.all()):
+            return high(x, t, cond, **model_kwargs)
+        if not bool(is_high.any()):
+            return low(x, t, cond, **model_kwargs)
+        rows_high, rows_low = torch.nonzero(is_high).flatten(), torch.nonzero(~is_high).flatten()
+        v_high = high(x[rows_high], t[rows_high], cond.select(rows_high), **model_kwargs)
+        v_low = low(x[rows_low], t[rows_low], cond.select(rows_low), **model_kwargs)
+        v = torch.cat([v_high.float(), v_low.float()])
+        return v[torch.argsort(torch.cat([rows_high, rows_low]))]
+
+    return velocity

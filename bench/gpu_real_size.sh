@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Wan2.1-T2V-1.3B LoRA (the configs/recipes/wan2.1_t2v_1.3b_lora.yaml expert: rank 32 on attention and FFN, bf16
+# base, gradient checkpointing, AdamW) at real size on one GPU, at the recipe's video size 81 x 480 x 832 (21 x 60 x
+# 104 latents, 32,760 tokens) and 512 text tokens: seconds per iteration, peak GPU memory
+# (torch.cuda.max_memory_allocated) beside `posttrain estimate`'s figure for the same expert, and MFU (model FLOPs =
+# 3 x the transformer forward's FLOPs counted by torch.utils.flop_counter; HFU adds the checkpointed recompute), from
+# bench/real_size.py --device cuda. Random weights from the published seed, or the downloaded weights where
+# /models/Wan2.1-T2V-1.3B-Diffusers holds them. About 2 minutes on an H100 (build ~30 s on the host, 10 iterations
+# of ~3 s); it stops itself after 8 minutes.
+#
+#   bash bench/gpu_real_size.sh                 # from the repository root
+#   ITERATIONS=20 VIDEO=33x480x832 bash bench/gpu_real_size.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ITERATIONS="${ITERATIONS:-10}"
+VIDEO="${VIDEO:-81x480x832}"
+WEIGHTS=/models/Wan2.1-T2V-1.3B-Diffusers
+args=(--device cuda --cases wan1.3b_lora --video "$VIDEO" --iterations "$ITERATIONS"
+      --out runs/bench_real_size/gpu_wan1.3b_lora.json)
+if [ -f "$WEIGHTS/transformer/config.json" ]; then
+  args+=(--pretrained "$WEIGHTS")
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout 480 python -m bench.real_size "${args[@]}"
