@@ -96,10 +96,14 @@ class DiffusionNFT(ExpertModule):
     def setup_roles(self) -> None:
         # `old`: the behaviour policy, a copy that trails the policy by the decay blend (a sync plan the
         # versions callback runs after every generator step, bumping `old`'s own version)
-        self.old = self.card.add_role("old", of=self.policy)
-        self.sync_plans.append(SyncPlan(self.policy, self.old, partial(nft_old_decay, self.decay_type)))
-        if self.kl_beta > 0:
-            self.reference = self.card.add_role("reference", of=self.policy)
+        # (a pair of noise experts: each trained expert's copies; running either runs the pair, GeneratorStage.pair_of)
+        for policy in self.policies:
+            old = self.card.add_role("old", of=policy)
+            self.sync_plans.append(SyncPlan(policy, old, partial(nft_old_decay, self.decay_type)))
+            self.old = self.old or old
+            if self.kl_beta > 0:
+                reference = self.card.add_role("reference", of=policy)
+                self.reference = self.reference or reference
         self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -129,9 +133,14 @@ class DiffusionNFT(ExpertModule):
         metrics_seen = []
         if len(keep):
             x0_k, cond_k, r_k = x0[keep], cond.select(keep), r[keep]
+            # σ in [sigma_min, sigma_max], within the range of the experts that train (a pair of noise experts)
+            low, high = self.stage.sigma_range(self.policies)
+            low, high = max(low, self.sigma_min), min(high, self.sigma_max)
+            ran: set[str] = set()
             for _ in range(self.num_timesteps):
                 sigma = sample_sigmas(len(keep), "uniform", self.generator, self.shift).to(self.device)
-                sigma = self.sigma_min + (self.sigma_max - self.sigma_min) * sigma
+                sigma = low + (high - low) * sigma
+                ran.update(self.stage.expert_at(t) for t in self.sampler.timestep_of(sigma).tolist())
                 noise = torch.randn(x0_k.shape, generator=self.generator).to(x0_k)
                 x_t, t = noised(x0_k, noise, sigma), self.sampler.timestep_of(sigma)
                 with torch.no_grad():
@@ -147,8 +156,8 @@ class DiffusionNFT(ExpertModule):
                                                self.kl_beta, grpo.adv_clip)
                 loss = loss + per_sample.mean() / self.num_timesteps
                 metrics_seen.append(metrics)
-            # 5. one generator step; the versions callback then blends `old` toward the policy
-            self.step_experts(loss, [self.policy])
+            # 5. one generator step (of each trained expert that ran); the versions callback then blends `old` toward it
+            self.step_experts(loss, [name for name in self.policies if self.any_rank(name in ran)])
 
         # 6. log
         self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)
@@ -156,7 +165,7 @@ class DiffusionNFT(ExpertModule):
         for name, value in rewards.terms.items():
             self.log(f"train/reward/{name}", value.mean(), on_step=True)
         self.log(f"train/kept_samples/{self.policy}", float(len(keep)), on_step=True)
-        self.log(f"train/decay/{self.old}", nft_old_decay(self.decay_type, self.card.versions[self.policy] + 1),
+        self.log(f"train/decay/{self.old}", nft_old_decay(self.decay_type, self.card.versions[self.policies[0]] + 1),
                  on_step=True)
         self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
         for key in ("kl", "policy_loss", "positive_loss", "negative_loss"):
@@ -171,4 +180,4 @@ class DiffusionNFT(ExpertModule):
         prompts = list(batch["prompt"])
         videos = self.generate(prompts, seed=batch_idx, images=self.batch_images(batch))
         self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
-                 batch_size=len(prompts))
+                 batch_size=len(prompts), sync_dist=True)

@@ -242,7 +242,7 @@ class DMD2(ExpertModule):
         cond, uncond = self.conditioning(prompts, self.teacher_sampler)
         teacher = self.stage.sample(self.teacher_sampler, noise, cond, uncond, name=self.teacher).latents
         self.log("val/latent_mse_to_teacher", (student - teacher).pow(2).mean(), prog_bar=True,
-                 batch_size=len(prompts))
+                 batch_size=len(prompts), sync_dist=True)
 
     # ------------------------------------------------------------------ helpers
     def _problems(self, backward_simulation, exit_steps, generator_update_ratio, sigma_range, ema_decay,
@@ -254,6 +254,9 @@ class DMD2(ExpertModule):
         problems += self.stage.peer_problems(self.teacher, "the real score", trainable=False,
                                              hint="; add the frozen many-step `teacher` expert (`pretrained:` its "
                                                   "weights)")
+        if self.card.has(f"{self.teacher}_2"):  # a pair of noise experts as the teacher (Wan 2.2 A14B)
+            problems += self.stage.peer_problems(f"{self.teacher}_2", "the real score's low-noise expert",
+                                                 trainable=False)
         if generator_update_ratio < 1:
             problems.append(f"generator_update_ratio={generator_update_ratio} must be >= 1 (the student steps on "
                             f"every N-th iteration; anchor 5)")

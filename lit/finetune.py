@@ -27,7 +27,9 @@ from posttrain.modules.flow.samplers import FlowMatchSampler
 class Finetune(ExpertModule):
     """Args:
         card: needs ``transformer`` (trainable), ``vae`` and the generator's text encoders
-            (``text_encoder``; FLUX also ``text_encoder_2``).
+            (``text_encoder``; FLUX also ``text_encoder_2``). A pair of noise experts (``transformer``,
+            ``transformer_2``, the card's ``boundary_ratio``) trains whichever of the two are trainable, each on
+            the rows whose noise level is in its range; with one of them trainable σ is drawn in its range.
         sigma_sampling: how training noise levels are drawn.
         shift: flow shift applied to the drawn σ.
         logit_mean, logit_std: parameters of the logit-normal σ.
@@ -71,15 +73,17 @@ class Finetune(ExpertModule):
         cond = self.stage.condition(prompts, self.device, images=self.batch_images(batch), size=self.size_of(batch))
         # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε
         sigma = sample_sigmas(x0.shape[0], self.sigma_sampling, self.generator, self.shift,
-                              self.logit_mean, self.logit_std).to(self.device)
+                              self.logit_mean, self.logit_std, *self.sigma_range).to(self.device)
         noise = torch.randn(x0.shape, generator=self.generator).to(x0)
         # 4. v_θ(x_σ, σ, c) regressed onto ε - x0
         with self.stage.velocity(self.policy) as velocity:
             v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
         per_sample, metrics = flow_matching_loss(v, x0, noise)
         loss = per_sample.mean()
-        # 5. one backward, one generator step
-        self.step_experts(loss, [self.policy])
+        # 5. one backward, one generator step (a pair of noise experts: of each trained expert that ran on a row of
+        #    any process, decided together so that every process steps the same experts)
+        ran = {self.stage.expert_at(t) for t in self.sampler.timestep_of(sigma).tolist()}
+        self.step_experts(loss, [name for name in self.policies if self.any_rank(name in ran)])
         self.log(f"train/loss/{self.policy}", loss, prog_bar=True, on_step=True)
         self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
         return loss.detach()
@@ -97,7 +101,17 @@ class Finetune(ExpertModule):
                 sigma = torch.full((x0.shape[0],), s, device=self.device)
                 v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
                 losses.append(flow_matching_loss(v, x0, noise)[0].mean())
-        self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0])
+        self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0], sync_dist=True)
+
+    @property
+    def sigma_range(self) -> tuple[float, float]:
+        """[low, high] of σ before the flow shift: all of [0, 1], or, where one expert of a pair of noise experts
+        trains, its range — shift(σ) = t / num_train_timesteps on its side of ``boundary_ratio`` — so every row
+        trains it (the drawn distribution mapped onto the range, as ``sample_sigmas`` maps it)."""
+        # the pre-shift σ of a shifted one: σ = σ' / (s - (s - 1)·σ') inverts σ' = sσ / (1 + (s - 1)σ)
+        s = self.shift
+        low, high = self.stage.sigma_range(self.policies)
+        return low / (s - (s - 1) * low), high / (s - (s - 1) * high)
 
     def latents(self, batch: dict) -> torch.Tensor:
         """(B, C, F', h, w) the clean latents it trains on: the datamodule's, or the VAE's of the batch's videos."""

@@ -56,7 +56,12 @@ class FlowGRPO(ExpertModule):
 
     def setup_roles(self) -> None:
         if self.grpo.kl_beta > 0:  # a LoRA generator's reference is itself with the adapter off (no copy)
-            self.reference = self.card.add_role("reference", of=self.policy)
+            # a pair of noise experts: each trained expert's reference; running either runs the pair
+            # (GeneratorStage.pair_of: a frozen expert is its own reference)
+            self.reference = [self.card.add_role("reference", of=name) for name in self.policies][0]
+        if self.stage.transformer_2 is not None:  # a pair: some SDE step must be a trained expert's (checked at start)
+            schedule = self.stage.schedule(self.rollout_sampler, self.stage.latent_shape(self.video))
+            self.trained_steps(schedule.timesteps, self.rollout_sampler.sde_steps())
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = batch_schema.prompts(batch, "flow_grpo")
@@ -92,10 +97,13 @@ class FlowGRPO(ExpertModule):
         for _ in range(grpo.num_inner_epochs):
             order = keep[torch.randperm(len(keep), generator=self.generator).to(keep.device)]
             for index in order.chunk(grpo.num_minibatches) if len(order) else []:
-                steps = train_steps(sampler, grpo.timestep_fraction, self.generator)
+                # a pair of noise experts: the steps of the experts that train, each step updating its expert
+                steps = train_steps(sampler, grpo.timestep_fraction, self.generator,
+                                    among=self.trained_steps(rollout.traj.timesteps, rollout.traj.sde_mask))
                 losses = rollout.select(index).step_losses(steps, advantages[index], grpo.clip_range, grpo.kl_beta,
                                                            self.reference, grpo.micro_batch_size, metrics)
-                self.step_experts(losses, [self.policy])
+                ran = {self.expert_of(rollout, i) for i in steps}  # decided together: every process steps the same
+                self.step_experts(losses, [name for name in self.policies if self.any_rank(name in ran)])
 
         # 7. log
         self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)
@@ -108,9 +116,27 @@ class FlowGRPO(ExpertModule):
             self.log(f"train/{key}/{self.policy}", value, on_step=True)
         return metrics["loss"][-1] if metrics else torch.zeros(())
 
+    def expert_of(self, rollout: Rollout, step: int) -> str:
+        """The generator expert that ran step ``step`` of ``rollout`` (of a pair: by its timestep)."""
+        return self.stage.expert_at(float(rollout.traj.timesteps[step]))
+
+    def trained_steps(self, timesteps: torch.Tensor, sde_mask: torch.Tensor) -> Optional[list[int]]:
+        """The SDE steps (of a schedule's ``timesteps`` and ``sde_mask``) an update may train on: those a trainable
+        expert runs (None: all of them, one generator)."""
+        if self.stage.transformer_2 is None:
+            return None
+        steps = [i for i in torch.nonzero(sde_mask).flatten().tolist()
+                 if self.stage.expert_at(float(timesteps[i])) in self.policies]
+        if not steps:
+            raise ValueError(f"flow_grpo: no SDE step of the rollout sampler (timesteps "
+                             f"{[round(float(t), 1) for t in timesteps]}, sde_window {self.rollout_sampler.sde_window})"
+                             f" is in the range of the trained experts {self.policies} at boundary_ratio="
+                             f"{self.card.boundary_ratio}: widen sde_window or train the other expert")
+        return steps
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of ODE samples from fixed noise (seed = batch index): comparable across the run."""
         prompts = list(batch["prompt"])
         videos = self.generate(prompts, seed=batch_idx, images=self.batch_images(batch))
         self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
-                 batch_size=len(prompts))
+                 batch_size=len(prompts), sync_dist=True)

@@ -149,11 +149,13 @@ class Rollout:
         return (recomputed[mask] - stored[mask]).abs().max()
 
 
-def train_steps(sampler: FlowMatchSampler, fraction: float, rng: torch.Generator) -> list[int]:
-    """A random ``ceil(fraction·n)`` of the n SDE steps to train on (Flow-GRPO's ``timestep_fraction``)."""
+def train_steps(sampler: FlowMatchSampler, fraction: float, rng: torch.Generator,
+                among: Optional[list[int]] = None) -> list[int]:
+    """A random ``ceil(fraction·n)`` of the n SDE steps to train on (Flow-GRPO's ``timestep_fraction``); ``among``:
+    the n steps to choose from (a pair of noise experts: the steps of the experts that train), None = all SDE steps."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"timestep_fraction={fraction} must be in (0, 1]")
-    sde = torch.nonzero(sampler.sde_steps()).flatten()
+    sde = torch.nonzero(sampler.sde_steps()).flatten() if among is None else torch.tensor(among, dtype=torch.long)
     k = max(1, math.ceil(fraction * len(sde)))
     chosen = sde[torch.randperm(len(sde), generator=rng)[:k]]
     return sorted(int(i) for i in chosen)
