@@ -10,7 +10,7 @@ then broken —, its frames before and after, and above each the prompt the gene
 rewrite, or the request verbatim).
 
     OMP_NUM_THREADS=1 python -m experiments.request_sheet prompt_rl \\
-        runs/rl_compare/runs/prompt_rl_s0/checkpoints/last.ckpt --png docs/rl/prompt_rl_sheet.png
+        runs/rl_compare_sets/runs/prompt_rl_s0/checkpoints/last.ckpt --png docs/rl/prompt_rl_sheet.png
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The RL methods side by side at equal rollout budgets, as the papers draw them: GenEval against rollouts
-(videos generated), 3 seeds each, a mean line and a min–max band per method, and a Markdown table.
+(videos generated), 3 seeds each, every point scored on 3 independent evaluation sets, a mean line and a min–max
+band per method, and a Markdown table per set and pooled.
 
 Methods (each a config of ``configs/``, run as it is in the repository, through ``PosttrainCLI``):
 
@@ -11,15 +12,20 @@ Methods (each a config of ``configs/``, run as it is in the repository, through 
   each, per-expert credit);
 - on captions, scored by caption GenEval (all four facts): ``flow_grpo`` and ``diffusion_nft``.
 
-Every point of a curve is evaluated on requests and noise never trained on: 64 requests of facts drawn with
-``EVAL_SEED`` (no training run draws that seed; a request whose text a training run could write is counted
-and reported), in the training wording (``seen``) and as held-out paraphrases of the same facts
-(``paraphrase``: held-out words and templates); the noise of batch ``i`` from seed ``NOISE_SEED + i``. Beside
-each score the generator alone on the 64 canonical captions of those facts (caption GenEval: the generator
-must not get quietly worse) and the Fréchet VAE distance of those samples to the rendered videos of the same
-captions; with refiners, their greedy rewrite accuracy (``modules.requests.accuracy``) on both wordings.
-``--control`` adds one run per method at learning rate 0 (every optimizer's, every iteration): the same
-rollouts and evaluations, no learning.
+Equal budgets: every run trains ``--videos`` rollouts (3200; iterations = videos / (batch_size × K) of its config),
+so every curve ends at the same number of videos. Every point of a curve is evaluated on ``EVAL_SETS``: 3 sets of
+64 requests, each drawn with its own seed (no training run draws those seeds), in the training wording (``seen``)
+and as held-out paraphrases of the same facts (``paraphrase``: held-out words and templates), the noise of a set's
+batch ``i`` from its own ``noise_seed + i``. Beside each score the generator alone on the 64 canonical captions of
+those facts (caption GenEval, all facts and shape: the generator must not get quietly worse) and the Fréchet VAE
+distance of those samples to the rendered videos of the same captions; with refiners, their greedy rewrite accuracy
+(``modules.requests.accuracy``) on both wordings, and request-GenEval with the same system served greedy rewrites
+(``refiners.serve: greedy``; the headline serves as the config does). ``--control`` adds one run per method at
+learning rate 0 (every optimizer's, every iteration): the same rollouts and evaluations, no learning.
+
+The report gives each set (mean over seeds [min–max]) and the pooled figure (mean over seeds and sets ± its 95%
+interval: the seeds' spread and the requests' binomial error, ``pooled``). A claim holds only when it holds pooled
+AND points the same way on every set; one decided within the pooled interval is "not established".
 
     python -m experiments.rl_compare                             # every method, 3 seeds, controls
     python -m experiments.rl_compare --methods unified_rl generator_rl --seeds 0
@@ -45,7 +51,11 @@ import torch
 from lightning.pytorch import Callback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EVAL_SEED, NOISE_SEED, EVAL_PROMPTS, BATCH = 11, 5000, 64, 16
+EVAL_PROMPTS, BATCH, VIDEOS = 64, 16, 3200
+# (request seed, noise seed) of each evaluation set; the first is the one this bench always used
+EVAL_SETS = ((11, 5000), (23, 6000), (37, 7000))
+EVAL_SEED, NOISE_SEED = EVAL_SETS[0]
+Z95 = 1.96
 
 
 @dataclass(frozen=True)
@@ -68,19 +78,34 @@ METHODS = {
 
 # ------------------------------------------------------------------------------------------------ evaluation
 class EvalSet:
-    """The held-out requests (two wordings of the same facts), their captions and the captions' rendered videos."""
+    """One evaluation set: held-out requests drawn with ``seed`` (two wordings of the same facts), the captions of
+    those facts and the captions' rendered videos; batch ``i`` is generated from noise seed ``noise_seed + i``."""
 
-    def __init__(self, num: int = EVAL_PROMPTS, frames: int = 5, height: int = 32, width: int = 32):
+    def __init__(self, num: int = EVAL_PROMPTS, frames: int = 5, height: int = 32, width: int = 32,
+                 seed: int = EVAL_SEED, noise_seed: int = NOISE_SEED):
         from posttrain.datamodules.requests import RequestDataset
         from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
         from posttrain.modules.world.world import caption
 
-        self.requests = {name: [RequestDataset(num, seed=EVAL_SEED, split=split, exclude=PRETRAIN_EXCLUDE).request(i)
+        self.seed, self.noise_seed = seed, noise_seed
+        self.requests = {name: [RequestDataset(num, seed=seed, split=split, exclude=PRETRAIN_EXCLUDE).request(i)
                                 for i in range(num)] for name, split in (("seen", "train"), ("paraphrase", "eval"))}
-        data = ShapesDataset(num, frames, height, width, seed=EVAL_SEED, exclude=PRETRAIN_EXCLUDE)
+        data = ShapesDataset(num, frames, height, width, seed=seed, exclude=PRETRAIN_EXCLUDE)
         self.captions = [caption(*data.facts(i)) for i in range(num)]
         self.real = torch.stack([data[i]["video"] for i in range(num)])
         self.size = (frames, height, width)
+
+    @property
+    def name(self) -> str:
+        return f"set {self.seed}/{self.noise_seed}"
+
+    def noise_seeds(self) -> range:
+        return range(self.noise_seed, self.noise_seed + math.ceil(len(self.captions) / BATCH))
+
+
+def eval_sets(frames: int, height: int, width: int, num: int = EVAL_PROMPTS) -> list[EvalSet]:
+    """The ``EVAL_SETS``, at a method's video size."""
+    return [EvalSet(num, frames, height, width, seed, noise) for seed, noise in EVAL_SETS]
 
 
 def geneval_of(videos: list[torch.Tensor], facts) -> dict[str, float]:
@@ -103,7 +128,7 @@ def evaluate(module, kind: str, data: EvalSet) -> dict[str, float]:
     was_training = module.training
     module.eval()
     out: dict[str, float] = {}
-    seeds = range(NOISE_SEED, NOISE_SEED + math.ceil(len(data.captions) / BATCH))
+    seeds = data.noise_seeds()
     # the generator alone on captions (any method): caption GenEval and the Fréchet VAE distance to the data
     frechet = VideoFrechetDistance(reset_real_features=True)
     videos = []
@@ -122,6 +147,12 @@ def evaluate(module, kind: str, data: EvalSet) -> dict[str, float]:
                       for seed, i in zip(seeds, range(0, len(texts), BATCH))]
             for key, value in geneval_of(videos, facts).items():
                 out[f"{wording}/{key}"] = value
+            if isinstance(module, JointRL) and wording == "seen":  # the same system served greedy rewrites
+                serve, module.refiner_args.serve = module.refiner_args.serve, "greedy"
+                videos = [module.generate(texts[i:i + BATCH], seed=seed).float()
+                          for seed, i in zip(seeds, range(0, len(texts), BATCH))]
+                module.refiner_args.serve = serve
+                out["seen_greedy/all"] = geneval_of(videos, facts)["all"]
             if isinstance(module, JointRL):
                 for name in module.card.refiners:
                     lm, tok = module.card[name], module.card.tokenizers[name]
@@ -138,11 +169,12 @@ def evaluate(module, kind: str, data: EvalSet) -> dict[str, float]:
 
 
 class Curve(Callback):
-    """Evaluates at iteration 0 and at each of ``points``; counts videos generated (prompts × K per iteration) and
-    the training's own CPU time (evaluation excluded). With ``control``, every optimizer's learning rate is 0."""
+    """Evaluates on every set at iteration 0 and at each of ``points``; counts videos generated (prompts × K per
+    iteration) and the training's own CPU time (evaluation excluded). With ``control``, every optimizer's learning
+    rate is 0."""
 
-    def __init__(self, kind: str, data: EvalSet, points: list[int], control: bool = False):
-        self.kind, self.data, self.points, self.control = kind, data, set(points), control
+    def __init__(self, kind: str, sets: list[EvalSet], points: list[int], control: bool = False):
+        self.kind, self.sets, self.points, self.control = kind, sets, set(points), control
         self.rows: list[dict] = []
         self.iterations, self.videos, self.train_cpu, self.train_wall = 0, 0, 0.0, 0.0
         self._t0 = None
@@ -159,12 +191,14 @@ class Curve(Callback):
         row = {"iteration": self.iterations, "videos": self.videos, "train_cpu_s": round(self.train_cpu, 1),
                "train_wall_s": round(self.train_wall, 1)}
         start = time.time()
-        row.update(evaluate(module, self.kind, self.data))
+        row["sets"] = {data.name: evaluate(module, self.kind, data) for data in self.sets}
         row["eval_wall_s"] = round(time.time() - start, 1)
         self.rows.append(row)
-        headline = row.get("seen/all", row["caption/all"])
-        print(f"  it {row['iteration']:4d}  videos {self.videos:5d}  score {headline:.3f}  caption "
-              f"{row['caption/all']:.3f}  frechet {row['frechet']:.3f}  (train {self.train_cpu:.0f} CPU-s)", flush=True)
+        key = "seen/all" if self.kind == "requests" else "caption/all"
+        scores = " ".join(f"{row['sets'][d.name][key]:.3f}" for d in self.sets)
+        captions = " ".join(f"{row['sets'][d.name]['caption/all']:.3f}" for d in self.sets)
+        print(f"  it {row['iteration']:4d}  videos {self.videos:5d}  {key} per set {scores}  caption/all {captions}  "
+              f"(train {self.train_cpu:.0f} CPU-s)", flush=True)
 
     def on_train_start(self, trainer, module) -> None:
         if self.control:
@@ -202,32 +236,39 @@ def method_cli(name: str, seed: int, *extra: str):
         os.chdir(cwd)
 
 
-def run_one(name: str, seed: int, control: bool, iterations: Optional[int], points: int, out: str,
-            threads: int, overrides: tuple[str, ...] = ()) -> dict:
+def run_one(name: str, seed: int, control: bool, videos: Optional[int], points: int, out: str,
+            threads: int, overrides: tuple[str, ...] = (), num: int = EVAL_PROMPTS) -> dict:
+    """One run of method ``name``: ``videos`` rollouts (None: its config's ``max_steps``), evaluated ``points``
+    times besides iteration 0 on every evaluation set."""
     torch.set_num_threads(threads)
     method = METHODS[name]
     tag = f"{name}_s{seed}" + ("_control" if control else "")
     args = [f"--data.init_args.seed={seed}", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
             f"--trainer.default_root_dir={os.path.join(out, 'runs', tag)}"]
-    if iterations is not None:
-        args.append(f"--trainer.max_steps={iterations}")
     args += [f"--{o}" for o in overrides]
     cli = method_cli(name, seed, *args)
     trainer, module = cli.trainer, cli.model
+    per_iteration = cli.datamodule.batch_size * module.grpo.num_samples_per_prompt
+    if videos is not None:  # the equal budget: the same rollouts for every method, whatever its batch and K
+        if videos % per_iteration:
+            raise ValueError(f"--videos={videos} is not a multiple of {name}'s {per_iteration} rollouts an iteration "
+                             f"(batch_size × K): pick a multiple of it")
+        trainer.fit_loop.epoch_loop.max_steps = videos // per_iteration
     # the curve's evaluations replace the run's sample videos (and validation: limit_val_batches=0)
     trainer.callbacks = [c for c in trainer.callbacks if type(c).__name__ != "SampleVideos"]
     total = trainer.max_steps
     marks = sorted({max(1, round(total * (k + 1) / points)) for k in range(points)})
-    curve = Curve(method.kind, EvalSet(frames=module.video.frames, height=module.video.height,
-                                       width=module.video.width), marks, control)
+    curve = Curve(method.kind, eval_sets(module.video.frames, module.video.height, module.video.width, num), marks,
+                  control)
     trainer.callbacks.append(curve)
     before = {k: v.detach().clone() for k, v in module.card.state_dict().items()} if control else None
     start = time.time()
     trainer.fit(module, cli.datamodule)
     result = {"method": name, "seed": seed, "control": control, "iterations": trainer.global_step,
               "videos": curve.videos, "train_cpu_s": round(curve.train_cpu, 1), "wall_s": round(time.time() - start, 1),
-              "rows": curve.rows, "config": method.config}
+              "eval_sets": [d.name for d in curve.sets], "rows": curve.rows, "config": method.config,
+              "overrides": list(overrides)}
     if control:  # lr 0: nothing may have moved
         after = module.card.state_dict()
         result["weights_unchanged"] = all(torch.equal(v, after[k]) for k, v in before.items() if k in after)
@@ -235,127 +276,244 @@ def run_one(name: str, seed: int, control: bool, iterations: Optional[int], poin
 
 
 # ------------------------------------------------------------------------------------------------ the report
+PROPORTIONS = ("/all", "/shape", "/colour", "/background", "/motion")  # keys that are shares of 64 requests
+
+
 def headline(method: Method) -> str:
     return "seen/all" if method.kind == "requests" else "caption/all"
 
 
 def load(out: str) -> dict[tuple[str, bool], list[dict]]:
+    """The saved runs by (method, control); a run saved before the evaluation had several sets is refused."""
     runs: dict[tuple[str, bool], list[dict]] = {}
     for file in sorted(os.listdir(out)):
         if file.endswith(".json"):
             with open(os.path.join(out, file)) as f:
                 r = json.load(f)
+            if "eval_sets" not in r:
+                raise ValueError(f"{os.path.join(out, file)} was scored on one evaluation set (an older bench); "
+                                 f"rerun it with --rerun --methods {r['method']}, or point --out elsewhere")
             runs.setdefault((r["method"], r["control"]), []).append(r)
     return runs
 
 
-def band(runs: list[dict], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Videos, mean, min and max of ``key`` over seeds at each evaluation point (points shared by all seeds)."""
+def value(run: dict, index: int, key: str, where: Optional[str] = None) -> float:
+    """``key`` at evaluation point ``index`` (-1: the last) on set ``where``, or the mean over sets (None)."""
+    sets = run["rows"][index]["sets"]
+    values = [sets[where].get(key, float("nan"))] if where else [v.get(key, float("nan")) for v in sets.values()]
+    return sum(values) / len(values)
+
+
+@dataclass
+class Pooled:
+    """A pooled figure (mean over seeds and sets) or a difference of two, its 95% half-width and each set's mean."""
+
+    mean: float
+    half: float
+    per_set: dict[str, float]
+
+    def verdict(self, what: str = "") -> str:
+        """Holds only when the pooled interval is above 0 AND every set points the same way."""
+        against = [name for name, v in self.per_set.items() if not v > 0]
+        if self.mean - self.half > 0 and not against:
+            return "holds"
+        if self.mean + self.half < 0:
+            return "does not hold (the opposite is measured pooled)"
+        if self.mean - self.half > 0:
+            return f"does not hold: pooled yes, but {', '.join(against)} point the other way"
+        return f"does not hold: not established (pooled {self.mean:+.3f} ± {self.half:.3f})"
+
+    def text(self) -> str:
+        sets = " / ".join(f"{v:+.3f}" for v in self.per_set.values())
+        return f"{self.mean:+.3f} ± {self.half:.3f} pooled (per set {sets})"
+
+
+def pooled(a: list[float], b: Optional[list[float]] = None, *, key: str, per_set: dict[str, float],
+           binomial: list[float] = ()) -> Pooled:
+    """Mean of ``a`` (per-seed figures, each pooled over the sets) minus the mean of ``b``, with a 95% interval from
+    the seeds' spread (variance of the mean over seeds, each side) and, for a share of requests, the requests'
+    binomial error p(1 − p) / (sets × 64) of every share in ``binomial`` (counted unpaired: conservative for a
+    before → after difference on the same requests and noise); for a distance (Fréchet), the spread of
+    ``per_set`` over the sets instead."""
+    def mean_var(xs: list[float]) -> tuple[float, float]:
+        m = sum(xs) / len(xs)
+        return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs) if len(xs) > 1 else 0.0)
+
+    mean, var = mean_var(a)
+    if b is not None:
+        mb, vb = mean_var(b)
+        mean, var = mean - mb, var + vb
+    if key.endswith(PROPORTIONS):
+        sets = len(EVAL_SETS)
+        var += sum(p * (1 - p) / (sets * EVAL_PROMPTS) for p in binomial)
+    elif len(per_set) > 1:  # a distance: the sets' spread stands for the evaluation's error
+        m = sum(per_set.values()) / len(per_set)
+        var += sum((v - m) ** 2 for v in per_set.values()) / (len(per_set) - 1) / len(per_set)
+    return Pooled(mean, Z95 * math.sqrt(var), per_set)
+
+
+def set_names(runs: list[dict]) -> list[str]:
+    return runs[0]["eval_sets"]
+
+
+def gain(runs: list[dict], key: str) -> Pooled:
+    """After − before of ``key`` (pooled over sets, then over seeds)."""
+    per_set = {w: sum(value(r, -1, key, w) - value(r, 0, key, w) for r in runs) / len(runs) for w in set_names(runs)}
+    before, after = [value(r, 0, key) for r in runs], [value(r, -1, key) for r in runs]
+    return pooled([x - y for x, y in zip(after, before)], key=key, per_set=per_set,
+                  binomial=[sum(before) / len(before), sum(after) / len(after)])
+
+
+def final_gap(a: list[dict], b: list[dict], key: str) -> Pooled:
+    """``a``'s final ``key`` − ``b``'s (equal budgets: the same videos)."""
+    per_set = {w: sum(value(r, -1, key, w) for r in a) / len(a) - sum(value(r, -1, key, w) for r in b) / len(b)
+               for w in set_names(a)}
+    fa, fb = [value(r, -1, key) for r in a], [value(r, -1, key) for r in b]
+    return pooled(fa, fb, key=key, per_set=per_set, binomial=[sum(fa) / len(fa), sum(fb) / len(fb)])
+
+
+def band(runs: list[dict], key: str, where: Optional[str] = None):
+    """Videos, mean, min and max of ``key`` (on set ``where``, or pooled over sets) over seeds at each evaluation
+    point (points shared by all seeds)."""
     n = min(len(r["rows"]) for r in runs)
     videos = [runs[0]["rows"][i]["videos"] for i in range(n)]
-    values = [[r["rows"][i].get(key, float("nan")) for r in runs] for i in range(n)]
+    values = [[value(r, i, key, where) for r in runs] for i in range(n)]
     return videos, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
-def interval(values: list[float]) -> str:
-    return f"{sum(values) / len(values):.3f} [{min(values):.3f}–{max(values):.3f}]"
+def cell(runs: list[dict], key: str, where: Optional[str]) -> str:
+    """``before → after`` of ``key`` on one set (after: mean [min–max] over seeds) or pooled (Δ ± 95%)."""
+    if key not in runs[0]["rows"][0]["sets"][set_names(runs)[0]]:
+        return "–"
+    before = sum(value(r, 0, key, where) for r in runs) / len(runs)
+    after = [value(r, -1, key, where) for r in runs]
+    text = f"{before:.3f} → {sum(after) / len(after):.3f}"
+    if where is not None:
+        return text + (f" [{min(after):.3f}–{max(after):.3f}]" if len(after) > 1 else "")
+    g = gain(runs, key)
+    return text + f" (Δ {g.mean:+.3f} ± {g.half:.3f})"
 
 
-def videos_to_reach(runs: list[dict], key: str, target: float) -> Optional[float]:
-    """Videos at which the seed-mean curve of ``key`` first reaches ``target`` (linear between points)."""
-    videos, mean, _, _ = band(runs, key)
-    for i, value in enumerate(mean):
-        if value >= target:
-            if i == 0:
-                return 0.0
-            v0, m0 = videos[i - 1], mean[i - 1]
-            return v0 + (videos[i] - v0) * (target - m0) / (value - m0)
-    return None
+def rewrite_keys(runs: list[dict]) -> list[str]:
+    first = runs[0]["rows"][0]["sets"][set_names(runs)[0]]
+    return sorted(k for k in first if k.startswith("rewrite/seen/") and k.endswith("/all"))
 
 
 def report(out: str, png: str) -> str:
     runs = load(out)
-    lines = ["| method | config | seeds | iterations | videos | score before | score after | control after | "
-             "paraphrase before → after | refiner rewrite accuracy before → after | caption GenEval before → after | "
-             "Fréchet before → after | train CPU-s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | evaluation set | seeds | iterations | videos | score before → after | control after | "
+             "paraphrase before → after | served greedy rewrites | refiner rewrite accuracy, greedy, seen wording | "
+             "caption GenEval | caption shape | Fréchet | train CPU-s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, method in METHODS.items():
         trained = runs.get((name, False))
         if not trained:
             continue
-        key = headline(method)
-        first = [r["rows"][0][key] for r in trained]
-        last = [r["rows"][-1][key] for r in trained]
-        control = runs.get((name, True))
-        control_text = interval([r["rows"][-1][key] for r in control]) if control else "–"
-        para = "–"
-        if method.kind == "requests":
-            para = f"{interval([r['rows'][0]['paraphrase/all'] for r in trained])} → " \
-                   f"{interval([r['rows'][-1]['paraphrase/all'] for r in trained])}"
-        caption = f"{interval([r['rows'][0]['caption/all'] for r in trained])} → " \
-                  f"{interval([r['rows'][-1]['caption/all'] for r in trained])}"
-        frechet = f"{interval([r['rows'][0]['frechet'] for r in trained])} → " \
-                  f"{interval([r['rows'][-1]['frechet'] for r in trained])}"
-        rewrite = "–"
-        keys = sorted(k for k in trained[0]["rows"][0] if k.startswith("rewrite/") and k.endswith("/all"))
-        if keys:  # greedy rewrite accuracy of each refiner, seen and held-out wording
-            rewrite = "; ".join(f"{k[len('rewrite/'):-len('/all')]} {interval([r['rows'][0][k] for r in trained])} → "
-                                f"{interval([r['rows'][-1][k] for r in trained])}" for k in keys)
+        key, control = headline(method), runs.get((name, True))
         cpus = [r["train_cpu_s"] for r in trained]
-        cpu = f"{sum(cpus) / len(cpus):.0f} [{min(cpus):.0f}–{max(cpus):.0f}]"
-        lines.append(f"| {method.label} | `configs/{method.config}` | {len(trained)} | {trained[0]['iterations']} | "
-                     f"{trained[0]['videos']} | {interval(first)} | {interval(last)} | {control_text} | {para} | {rewrite} | "
-                     f"{caption} | {frechet} | {cpu} |")
-    lines += ["", "Claims:"]
+        for where in [*set_names(trained), None]:
+            control_text = "–"
+            if control:
+                control_text = f"{sum(value(r, -1, key, where) for r in control) / len(control):.3f}"
+            rewrite = "; ".join(f"{k.split('/')[2]} {cell(trained, k, where)}" for k in rewrite_keys(trained)) or "–"
+            para = cell(trained, "paraphrase/all", where) if method.kind == "requests" else "–"
+            label = f"**{method.label}**" if where is None else method.label
+            cpu = f"{sum(cpus) / len(cpus):.0f} [{min(cpus):.0f}–{max(cpus):.0f}]" if where is None else ""
+            lines.append(f"| {label} | {where or '**pooled**'} | {len(trained)} | {trained[0]['iterations']} | "
+                         f"{trained[0]['videos']} | {cell(trained, key, where)} | {control_text} | {para} | "
+                         f"{cell(trained, 'seen_greedy/all', where)} | {rewrite} | "
+                         f"{cell(trained, 'caption/all', where)} | {cell(trained, 'caption/shape', where)} | "
+                         f"{cell(trained, 'frechet', where)} | {cpu} |")
+    lines += ["", "Claims (a claim holds only when it holds pooled, its 95% interval above 0, AND points the same way "
+              "on every evaluation set):"]
     lines += claims(runs)
     plot(runs, png)
     return "\n".join(lines)
 
 
+def videos_to_reach(runs: list[dict], key: str, target: float, where: Optional[str] = None) -> Optional[float]:
+    """Videos at which the seed-mean curve of ``key`` (on set ``where`` or pooled) first reaches ``target``
+    (linear between points); None when it never does within its budget."""
+    videos, mean, _, _ = band(runs, key, where)
+    for i, m in enumerate(mean):
+        if m >= target:
+            if i == 0:
+                return 0.0
+            v0, m0 = videos[i - 1], mean[i - 1]
+            return v0 + (videos[i] - v0) * (target - m0) / (m - m0)
+    return None
+
+
 def claims(runs) -> list[str]:
-    se = math.sqrt(0.3 * 0.7 / EVAL_PROMPTS)
-
-    def verdict_of(holds: bool, gap: float, seeds: int) -> str:
-        """A claim is evidence only when what decides it exceeds one evaluation's sampling error, on ≥ 3 seeds."""
-        if not holds:
-            return "does not reproduce"
-        if gap <= se:
-            return f"is not established (decided by {gap:.3f}, within ±{se:.3f})"
-        if seeds < 3:
-            return "is not established (fewer than 3 seeds a side)"
-        return "reproduces"
-
     def reach(fast: str, slow: str, key: str, factor: float) -> str:
         a, b = runs.get((fast, False)), runs.get((slow, False))
         if not a or not b:
             return f"- {fast} vs {slow}: not run"
-        target = sum(r["rows"][-1][key] for r in b) / len(b)
-        budget = b[0]["videos"]
-        got = videos_to_reach(a, key, target)
-        ratio = budget / got if got else math.inf
-        gain = target - sum(r["rows"][0][key] for r in b) / len(b)  # what the slow method's final score is worth
-        verdict = verdict_of(got is not None and ratio >= factor, gain, min(len(a), len(b)))
-        where = f"{got:.0f} videos ({ratio:.1f}× fewer)" if got is not None else "never within its budget"
-        return (f"- {fast} reaches {slow}'s final {key} ({target:.3f}, at {budget} videos) at {where}: the ≥ "
-                f"{factor:g}× claim {verdict} ({len(a)} vs {len(b)} seeds)")
+        budgets = {r["videos"] for r in a + b}
+        ratios = {}
+        for where in [None, *set_names(b)]:
+            target = sum(value(r, -1, key, where) for r in b) / len(b)
+            got = videos_to_reach(a, key, target, where)
+            ratios[where or "pooled"] = (b[0]["videos"] / got if got else math.inf) if got is not None else 0.0
+        worth = gain(b, key)  # what the slow method's final score is worth: its own gain
+        at_equal = final_gap(a, b, key)
+        if len(budgets) > 1:
+            verdict = f"is not comparable: unequal budgets {sorted(budgets)} videos"
+        elif worth.mean - worth.half <= 0:
+            verdict = f"is not established: {slow}'s own gain {worth.text()} is within its interval"
+        elif all(r >= factor for r in ratios.values()):
+            verdict = "holds"
+        else:
+            short = [w for w, r in ratios.items() if r < factor]
+            verdict = f"does not hold ({', '.join(short)} below {factor:g}×)"
+        text = ", ".join(f"{w} {'never' if r == 0 else f'{r:.1f}×'}" for w, r in ratios.items())
+        return (f"- {fast} reaches {slow}'s final {key} in fewer rollouts ({text}; seeds {len(a)} vs {len(b)}): the "
+                f"≥ {factor:g}× claim {verdict}. At the equal budget ({b[0]['videos']} videos) {fast} − {slow}: "
+                f"{at_equal.text()}: {at_equal.verdict()}")
 
-    lines = [f"- (one evaluation's sampling error at a score of 0.3: ±{se:.3f}, {EVAL_PROMPTS} requests; a claim "
-             f"decided by less than that, or on one seed, is not evidence)",
-             reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
-    for baseline in ("generator_rl", "flow_grpo_requests", "prompt_rl"):  # PromptRL's two single arms, RePrompt's
-        lines.append(reach("unified_rl", baseline, "seen/all", 2.0))
+    lines = [reach("diffusion_nft", "flow_grpo", "caption/all", 3.0)]
+    for fast in ("unified_rl", "joint_rl"):
+        for baseline in ("generator_rl", "flow_grpo_requests", "prompt_rl"):  # PromptRL's two single arms, RePrompt's
+            lines.append(reach(fast, baseline, "seen/all", 2.0))
     joint = runs.get(("unified_rl", False))
-    for baseline in ("generator_rl", "flow_grpo_requests"):
+    for baseline in ("generator_rl", "flow_grpo_requests", "prompt_rl"):
         base = runs.get((baseline, False))
         if joint and base:
-            gain = lambda rs, k: [r["rows"][-1][k] - r["rows"][0][k] for r in rs]  # noqa: E731
-            g_base, g_joint = gain(base, "paraphrase/all"), gain(joint, "paraphrase/all")
-            seen_base = gain(base, "seen/all")
-            gap = sum(g_joint) / len(g_joint) - sum(g_base) / len(g_base)
-            verdict = verdict_of(gap > 0, gap, min(len(joint), len(base)))
-            lines.append(f"- on held-out paraphrases {baseline} gains {interval(g_base)} (seen wording "
-                         f"{interval(seen_base)}), joint RL (N = 1) {interval(g_joint)}: the claim {verdict} "
-                         f"({len(joint)} vs {len(base)} seeds)")
+            gj, gb = gain(joint, "paraphrase/all"), gain(base, "paraphrase/all")
+            diff = Pooled(gj.mean - gb.mean, math.hypot(gj.half, gb.half),
+                          {w: gj.per_set[w] - gb.per_set[w] for w in gj.per_set})
+            lines.append(f"- held-out paraphrases: joint RL (N = 1) gains {gj.text()}, {baseline} {gb.text()}; "
+                         f"joint's gain is larger: {diff.verdict()}")
+    n3 = runs.get(("joint_rl", False))
+    if n3:
+        for k in rewrite_keys(n3):
+            g = gain(n3, k)
+            lines.append(f"- joint RL N = 3: {k.split('/')[2]} improves its own concern's greedy rewrite accuracy "
+                         f"(seen wording) {g.text()}: {g.verdict()}")
+    # the generator must not get worse: caption GenEval (all, shape) within one evaluation's noise of its start
+    for name, method in METHODS.items():
+        trained = runs.get((name, False))
+        if not trained:
+            continue
+        g = gain(trained, headline(method))
+        lines.append(f"- {name} rises on {headline(method)} in {trained[0]['videos']} videos: {g.text()}: "
+                     f"{g.verdict()}")
+        for key in ("caption/all", "caption/shape"):
+            worse = []
+            for where in set_names(trained):
+                before = value(trained[0], 0, key, where)
+                after = sum(value(r, -1, key, where) for r in trained) / len(trained)
+                noise = math.sqrt(max(before * (1 - before), 1e-9) / EVAL_PROMPTS)
+                if after < before - noise:
+                    worse.append(f"{where} {before:.3f} → {after:.3f} (noise ±{noise:.3f})")
+            g = gain(trained, key)
+            lines.append(f"- {name}: {key} {g.text()}; " + (f"WORSE by more than one evaluation's noise on "
+                                                             f"{'; '.join(worse)}" if worse else
+                                                             "within one evaluation's noise of its start or better on "
+                                                             "every set"))
+        f = gain(trained, "frechet")
+        rises = sum(v > 0 for v in f.per_set.values())
+        lines.append(f"- {name}: Fréchet {f.text()}, rises on {rises} of {len(f.per_set)} sets")
     return lines
 
 
@@ -392,7 +550,8 @@ def plot(runs, png: str) -> None:
     axes[-1].legend(fontsize=7, loc="best")
     controls = any(control for _, control in runs)
     joiner = ", " if len(panels) > 1 else "\n"  # one panel: the title on two lines, within the figure
-    fig.suptitle("posttrain RL on the synthetic world: mean over seeds, band = min–max"
+    fig.suptitle(f"posttrain RL on the synthetic world: pooled over {len(EVAL_SETS)} evaluation sets, mean over seeds, "
+                 "band = min–max"
                  + (f"{joiner}dotted = learning rate 0" if controls else f"{joiner}(no learning-rate-0 control run)"),
                  fontsize=10)
     fig.tight_layout()
@@ -406,12 +565,15 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="one run per method at learning rate 0 (seed of the first --seeds)")
-    parser.add_argument("--iterations", type=int, help="override every config's trainer.max_steps (pilots)")
+    parser.add_argument("--videos", type=int, default=VIDEOS,
+                        help="the equal budget: rollouts every run trains (iterations = videos / (batch_size × K)); "
+                             "0 = each config's own max_steps (unequal budgets: reach claims are then refused)")
+    parser.add_argument("--num-eval", type=int, default=EVAL_PROMPTS, help="requests per evaluation set (pilots)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra config overrides for every run (pilots), e.g. "
                              "model.init_args.refiners.temperature=0.7")
     parser.add_argument("--points", type=int, default=6, help="evaluations along a run, besides iteration 0")
-    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "rl_compare"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "rl_compare_sets"))
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "rl", "rl_compare.png"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rerun", action="store_true", help="redo runs whose JSON exists")
@@ -427,8 +589,8 @@ def main() -> None:
             if os.path.exists(path) and not args.rerun:
                 continue
             print(f"{name} seed {seed}{' (learning rate 0)' if control else ''}", flush=True)
-            result = run_one(name, seed, control, args.iterations, args.points, args.out, args.threads,
-                             tuple(args.set))
+            result = run_one(name, seed, control, args.videos or None, args.points, args.out, args.threads,
+                             tuple(args.set), args.num_eval)
             with open(path + ".tmp", "w") as f:
                 json.dump(result, f, indent=1)
             os.replace(path + ".tmp", path)

@@ -9,7 +9,8 @@ the group contrasts refined against unrefined. The reward scores what the user a
 ``modules/rewards/intent.py``), never the served text. All K roll out with the sampler's SDE step (log p captured),
 are decoded and scored by one reward; group advantages follow. Each refiner is updated by the token policy gradient
 ``-(A·exp(lp - sg(lp)))`` plus a k3 KL to its frozen reference (``refiners.kl_beta``); the generator by
-Flow-GRPO's PPO-clip loss on the refined samples plus a KL to its own reference. ``credit: per_expert`` gives
+Flow-GRPO's PPO-clip loss on the refined samples (``generator_rows: faithful``: only those whose served prompt names
+what the request asked) plus a KL to its own reference. ``credit: per_expert`` gives
 refiner i the advantage of its own reward term; ``joint: false`` freezes the generator (ODE rollout, no optimizer:
 prompt-only RL, RePrompt); refiners with ``trainable: false`` are served frozen (generator-only RL through the
 refiner). Each expert has its own optimizer and learning rate; one iteration = one prompt batch, whatever N.
@@ -34,7 +35,7 @@ from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
 from posttrain.modules.rl.refiner_args import RefinerArgs
 from posttrain.modules.models.refiners import Refinements, refiner_logprob_gap, refiner_loss, sample_refinements
 from posttrain.modules.world.requests import CONCERN_TEMPLATES, REWRITE_TEMPLATE, facts_from_batch, \
-    refinement_tokens, serve
+    refine as refine_greedy, refinement_tokens, rewrite_verdicts, serve
 from posttrain.modules.world.world import FACTS
 from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rewards.base import Reward, RewardOutput, credited_term, score, term_problems
@@ -65,6 +66,11 @@ class JointRL(ExpertModule):
         generator_term: credit the generator with the advantage of this reward term (e.g. ``colour``,
             the media part of a weighted reward) instead of the total's; None = the total.
         joint: train the generator too; False freezes it (ODE rollout, no optimizer).
+        generator_rows: which refined samples the generator's update may train on: ``refined`` (all of them) or
+            ``faithful`` (only those whose served prompt names every fact the request asked, read as the generator's
+            captions are, ``requests.rewrite_verdicts``; needs the batch's facts, ``datamodules.Requests``). A wrong
+            rewrite's video is scored on the request, so training on it pushes the generator away from drawing
+            what its prompt says; ``faithful`` keeps the generator's reward the one of following its prompt.
         shared_noise: the K samples of a request start from one initial noise (common random numbers): within a
             group the rewards then differ by what was served (and, when the generator trains, by its SDE
             noise), not by the draw; False draws each sample's own.
@@ -77,8 +83,8 @@ class JointRL(ExpertModule):
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
                  grpo: Optional[GRPOArgs] = None, refiners: Optional[RefinerArgs] = None,
                  credit: Literal["shared", "per_expert"] = "shared", generator_term: Optional[str] = None,
-                 joint: bool = True, shared_noise: bool = False, table_every_n_iterations: int = 50,
-                 run: Optional[RunArgs] = None):
+                 joint: bool = True, generator_rows: Literal["refined", "faithful"] = "refined",
+                 shared_noise: bool = False, table_every_n_iterations: int = 50, run: Optional[RunArgs] = None):
         super().__init__(card, sampler, run)
         self.rollout_sampler = rollout_sampler or self.sampler
         self.grpo = grpo or GRPOArgs()
@@ -86,9 +92,12 @@ class JointRL(ExpertModule):
         self.reward = reward if reward is not None else ColourAlignment()
         problems = self._problems(card, credit, generator_term, joint, table_every_n_iterations,
                                   "rollout_sampler" if rollout_sampler else "sampler")
+        if generator_rows not in ("refined", "faithful"):
+            problems.append(f"generator_rows={generator_rows!r}; choose 'refined' or 'faithful'")
         if problems:
             raise ValueError("joint_rl:\n  - " + "\n  - ".join(problems))
         self.credit, self.generator_term, self.joint, self.shared_noise = credit, generator_term, joint, shared_noise
+        self.generator_rows = generator_rows
         # each refiner's context template and token budget (its task: the whole rewrite or its concern)
         args = self.refiner_args
         tasks = args.concerns or [None] * card.num_refiners
@@ -172,11 +181,13 @@ class JointRL(ExpertModule):
         if stepping:
             self.step_experts(torch.stack(refiner_losses).sum(), stepping)
 
-        # 5. update generator: Flow-GRPO PPO-clip on the refined samples, credited by the total advantage
-        #    (or by its own term's, ``generator_term``); rows with A = 0 are left out (modules/rl/grpo.py's rule)
+        # 5. update generator: Flow-GRPO PPO-clip on the refined samples (``faithful``: only those whose prompt
+        #    names what was asked), credited by the total advantage (or by its own term's, ``generator_term``);
+        #    rows with A = 0 are left out (modules/rl/grpo.py's rule)
         if self.joint:
+            candidates = refined if self.generator_rows == "refined" else self._faithful(batch, refined, served, K)
             keep = train_rows(generator_advantages, self.any_rank, self.trainer.world_size > 1,
-                              grpo.drop_zero_advantage, candidates=refined)
+                              grpo.drop_zero_advantage, candidates=candidates)
             self.log(f"train/kept_samples/{self.policy}", float(len(keep)), on_step=True)
             if len(keep):
                 steps = train_steps(sampler, grpo.timestep_fraction, self.generator)
@@ -203,17 +214,22 @@ class JointRL(ExpertModule):
         refinements, served = self.refine(prompts, seed=batch_idx)
         videos = super().generate(served, seed=batch_idx)
         rewards = score(self.reward, videos, served, self._context(batch, prompts, refinements, 1))
-        self.log("val/reward", rewards.total.mean(), prog_bar=True, batch_size=len(prompts))
+        self.log("val/reward", rewards.total.mean(), prog_bar=True, batch_size=len(prompts), sync_dist=True)
         for name, value in rewards.terms.items():
-            self.log(f"val/reward/{name}", value.mean(), batch_size=len(prompts))
+            self.log(f"val/reward/{name}", value.mean(), batch_size=len(prompts), sync_dist=True)
 
     # ------------------------------------------------------------------ serving
     @torch.no_grad()
     def refine(self, prompts: list[str], seed: int = 0) -> tuple[dict[str, list[str]], list[str]]:
-        """Each refiner's refinement of each request (sampled as in training, from an rng seeded with ``seed``)
-        and the prompts the generator is served."""
+        """Each refiner's refinement of each request (``refiners.serve``: sampled as in training, from an rng seeded
+        with ``seed``, or greedy) and the prompts the generator is served."""
         rng = torch.Generator().manual_seed(seed)
-        refinements = {name: self._sample(name, prompts, rng).texts for name in self.card.refiners}
+        if self.refiner_args.serve == "greedy":
+            refinements = {name: refine_greedy(self.card[name], self.card.tokenizers[name], prompts,
+                                               self.templates[name], max_new_tokens=self.max_new_tokens[name])
+                           for name in self.card.refiners}
+        else:
+            refinements = {name: self._sample(name, prompts, rng).texts for name in self.card.refiners}
         served = [self._serve(p, [refinements[n][b] for n in self.card.refiners]) for b, p in enumerate(prompts)]
         return refinements, served
 
@@ -262,6 +278,18 @@ class JointRL(ExpertModule):
         if all(fact in batch for fact in FACTS):
             context["facts"] = [f for f in facts_from_batch(batch) for _ in range(repeats)]
         return context
+
+    @staticmethod
+    def _faithful(batch: dict, refined: torch.Tensor, served: list[str], repeats: int) -> torch.Tensor:
+        """The refined samples whose served prompt names every fact their request asked (``generator_rows``)."""
+        if not all(fact in batch for fact in FACTS):
+            raise ValueError("joint_rl: generator_rows='faithful' reads the requests' facts from the batch; load "
+                             "requests with datamodules.Requests, or set generator_rows: refined")
+        facts = [f for f in facts_from_batch(batch) for _ in range(repeats)]
+        rows = refined.tolist()
+        verdicts = rewrite_verdicts([served[j] for j in rows], [facts[j] for j in rows])
+        right = (torch.stack([verdicts[f] for f in FACTS], dim=1).nan_to_num(1.0) == 1).all(1)
+        return refined[right.to(refined.device)]
 
     def _problems(self, card, credit, generator_term, joint, table_every, sampler_option) -> list[str]:
         """Every configuration problem, collected before anything is built."""

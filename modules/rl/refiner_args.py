@@ -30,7 +30,10 @@ class RefinerArgs:
             shape, ...})``) so per-expert credit scores each refiner on the facts it writes.
         max_new_tokens: longest refinement, in tokens; None = sized for the task (``requests.refinement_tokens``: a
             whole caption, 56 bytes, or the refiner's concern).
-        temperature: the refiners' sampling temperature (training and serving).
+        temperature: the refiners' sampling temperature (training, and serving with ``serve: sample``).
+        serve: how the refiners write when the system serves (``generate``, validation, predict): ``sample`` at
+            ``temperature``, as in training, or ``greedy`` (each refiner's most likely text: what rewrite accuracy
+            reports; after RL its sampled rewrites are right less often, ``docs/rl/rewrite_gap.md``).
         template: each refiner's chat-free context, formatted with ``prompt``: one for all or one per refiner;
             None = the task's own (``requests.REWRITE_TEMPLATE`` ``"{prompt}\\n"``, or the concern's
             ``requests.CONCERN_TEMPLATES``, as the shipped refiner was pretrained).
@@ -45,6 +48,7 @@ class RefinerArgs:
     template: Union[str, list[str], None] = None
     kl_beta: float = 0.01
     num_unrefined: int = 1
+    serve: Literal["sample", "greedy"] = "sample"
 
     def problems(self, refiners: list[str], num_samples_per_prompt: int,
                  reward_concerns: Optional[dict[str, str]] = None) -> list[str]:
@@ -83,6 +87,8 @@ class RefinerArgs:
                      if t is not None and "{prompt}" not in t]
         if self.kl_beta < 0:
             problems.append(f"refiners.kl_beta={self.kl_beta} must be >= 0")
+        if self.serve not in ("sample", "greedy"):
+            problems.append(f"refiners.serve={self.serve!r}; choose 'sample' (at refiners.temperature) or 'greedy'")
         return problems
 
 
