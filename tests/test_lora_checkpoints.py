@@ -158,8 +158,17 @@ def one_process():
     """ShardedExpertsStrategy of one process in this pytest process (gloo); the group, which DeepSpeed caches, is torn
     down at the end of the module."""
     from posttrain.lit.engine.strategy import ShardedExpertsStrategy
+    from tests.helpers_strategy import LAUNCH_VARIABLES
 
+    before = {variable: os.environ.get(variable) for variable in LAUNCH_VARIABLES}
     yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
+    # Lightning sets MASTER_PORT and kin for its one process: a later `posttrain fit` of this worker would inherit
+    # them and bind a port this group still holds
+    for variable, value in before.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
     import deepspeed.comm
 
     if torch.distributed.is_initialized():
