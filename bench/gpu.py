@@ -47,7 +47,8 @@ from posttrain.lit.dmd2 import student_sampler
 from posttrain.modules.models.cards import Expert, ModelCard, ZeroConfig
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize
-from posttrain.modules.models.published import WAN_1_3B  # Wan2.1-T2V-1.3B-Diffusers' transformer config
+# Wan2.1-T2V-1.3B-Diffusers' transformer config, and its AutoencoderKLWan's (vae/config.json)
+from posttrain.modules.models.published import WAN_1_3B, WAN_VAE
 from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
 from posttrain.modules.rl.rollout import Rollout, train_steps
 from posttrain.modules.flow.samplers import FlowMatchSampler
@@ -57,8 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=64, freq_dim=64, ffn_dim=128,
             num_layers=2, rope_max_seq_len=32)
-# AutoencoderKLWan of Wan2.1-T2V-1.3B-Diffusers (vae/config.json), and a small one for --tiny
-WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# a small VAE of Wan 2.1's compression for --tiny
 TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
 WAN = ADAPTERS["wan_t2v"]  # the package's Wan call: what every method runs
 # dense bf16 peak, TFLOP/s (vendor datasheets, without sparsity)
@@ -159,12 +159,13 @@ def timed(device: Device, fn: Callable[[], Any], iterations: int, warmup: int = 
 
 
 def forward_flops(model: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                  autocast: contextlib.AbstractContextManager) -> int:
+                  autocast: contextlib.AbstractContextManager, adapter=WAN) -> int:
+    """FLOPs of one forward of ``model`` through the generator ``adapter`` (``torch.utils.flop_counter``)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), autocast, counter:
-        WAN.velocity(model, x, timestep, cond)
+        adapter.velocity(model, x, timestep, cond)
     return counter.get_total_flops()
 
 
@@ -567,6 +568,12 @@ def run(tiny: bool, device_name: str, checkpointing: bool, skip: set[str], peak_
     return out
 
 
+def video_size(text: str) -> tuple[int, int, int]:
+    """``FxHxW`` (e.g. ``81x480x832``) as (frames, height, width); anything else is a ValueError."""
+    frames, height, width = (int(v) for v in text.lower().split("x"))
+    return frames, height, width
+
+
 def size(b: Optional[int]) -> str:
     if b is None:
         return "n/a"
@@ -653,9 +660,8 @@ def main() -> None:
     video = None
     if args.fewstep_video:
         try:
-            video = tuple(int(v) for v in args.fewstep_video.lower().split("x"))
-            assert len(video) == 3
-        except (ValueError, AssertionError):
+            video = video_size(args.fewstep_video)
+        except ValueError:
             parser.error(f"--fewstep-video {args.fewstep_video!r}: give frames x height x width, e.g. 33x480x832")
     out = run(args.tiny, device, not args.no_checkpointing, set(args.skip), args.peak_tflops, partial=args.out,
               fewstep_video=video)

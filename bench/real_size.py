@@ -47,14 +47,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 import yaml
 
+from bench.gpu import Device, forward_flops, median, size, video_size
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,6 @@ CASES = {
 }
 
 
-def has_fp8() -> bool:
-    """Whether this checkout's ``Expert`` has the ``fp8`` option (frozen Linear weights stored in fp8)."""
-    from posttrain.modules.models.cards import Expert
-
-    return "fp8" in {f.name for f in fields(Expert)}
-
-
 def expert_settings(case: Case, layers: Optional[int], checkpointing: bool = True) -> dict[str, Any]:
     """The generator expert of ``case`` as a card's YAML writes it (``--layers``: ``preset`` overrides)."""
     source = ({"pretrained": case.pretrained, "subfolder": "transformer"} if case.pretrained
@@ -110,18 +104,21 @@ def expert_settings(case: Case, layers: Optional[int], checkpointing: bool = Tru
     return settings
 
 
-def build(case: Case, layers: Optional[int], device: str, checkpointing: bool = True):
-    """The card holding ``case``'s generator, built (random weights from the published seed) and on ``device``."""
-    from posttrain.modules.models.cards import Expert, LoraConfig, ModelCard
+def expert(case: Case, layers: Optional[int], checkpointing: bool = True):
+    """``case``'s generator as an ``Expert`` (``expert_settings``), with its AdamW."""
+    from posttrain.modules.models.cards import Expert, LoraConfig
 
     settings = expert_settings(case, layers, checkpointing)
-    if case.fp8 and not has_fp8():
-        raise RuntimeError(f"{case.published} with an fp8 base: this checkout's Expert has no `fp8` option; without "
-                           f"it the bf16 base would not fit (run the bf16 cases, or --layers N)")
     lora = settings.pop("lora", None)
-    expert = Expert(**settings, lora=LoraConfig(**lora) if lora else None,
-                    optimizer=functools.partial(torch.optim.AdamW, lr=1e-4, weight_decay=0.01))
-    card = ModelCard({"transformer": expert}, text_max_length=case.text_length)
+    return Expert(**settings, lora=LoraConfig(**lora) if lora else None,
+                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-4, weight_decay=0.01))
+
+
+def build(case: Case, layers: Optional[int], device: str, checkpointing: bool = True):
+    """The card holding ``case``'s generator, built (random weights from the published seed) and on ``device``."""
+    from posttrain.modules.models.cards import ModelCard
+
+    card = ModelCard({"transformer": expert(case, layers, checkpointing)}, text_max_length=case.text_length)
     card.build()
     card.to(device)
     return card
@@ -190,14 +187,14 @@ def run_case(name: str, iterations: int = 2, layers: Optional[int] = None, devic
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - begin)
-    timed = sorted(times[1:] or times)
     result = dict(case=name, published=case.published, note=case.note, layers=layers, device=device,
                   params=sum(p.numel() for p in model.parameters()), trainable=sum(p.numel() for p in trainable),
-                  build_seconds=build_seconds, seconds_per_iteration=timed[len(timed) // 2], times=times,
+                  build_seconds=build_seconds, seconds_per_iteration=median(times[1:] or times), times=times,
                   losses=losses, checkpoint_bytes=checkpoint_bytes(model, optimizer, out))
     if device.startswith("cuda"):
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-        forward = forward_flops(case, model, adapter, device, g, autocast)
+        x0, noise, sigma, cond = batch(case, model, device, g)
+        forward = forward_flops(model, noised(x0, noise, sigma), timestep_of(sigma), cond, autocast, adapter)
         result["tflops_per_iteration"] = 3 * forward / 1e12  # model FLOPs: forward + backward
         if peak_tflops:
             per_second = result["seconds_per_iteration"] * peak_tflops * 1e12
@@ -212,20 +209,6 @@ def rss_now() -> int:
     """This process's resident memory now (``VmRSS``), in bytes."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def forward_flops(case: Case, model, adapter, device: str, g: torch.Generator, autocast) -> int:
-    """FLOPs of one transformer forward of the bench's sample (``torch.utils.flop_counter``)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from posttrain.modules.flow.losses import noised
-    from posttrain.modules.flow.samplers import FlowMatchSampler
-
-    x0, noise, sigma, cond = batch(case, model, device, g)
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), autocast, counter:
-        adapter.velocity(model, noised(x0, noise, sigma), FlowMatchSampler().timestep_of(sigma), cond)
-    return counter.get_total_flops()
 
 
 def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Optional[str]) -> int:
@@ -267,29 +250,19 @@ def estimate_config(case: Case, layers: Optional[int], folder: str, checkpointin
 
 def estimated_bytes(name: str, layers: Optional[int], checkpointing: bool = True) -> tuple[Optional[int], str]:
     """``posttrain estimate``'s device bytes for the case's ``transformer`` (None and why, where it cannot say)."""
-    from posttrain.lit.tools.estimate import estimate
+    from posttrain.lit.tools.estimate import estimate, meta_model
 
     case = CASES[name]
-    if case.fp8 and not has_fp8():
-        return None, "this checkout's Expert has no `fp8` option"
     with tempfile.TemporaryDirectory() as folder:
         try:
             table = estimate(estimate_config(case, layers, folder, checkpointing), devices=1)
             row = table["transformer"]
         except Exception as err:  # noqa: BLE001 - the bench reports the rest
             return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    built = sum(p.numel() for p in build_meta(case, layers).parameters())
+    built = sum(p.numel() for p in meta_model(expert(case, layers, checkpointing)).parameters())
     if row.params != built:  # the estimate built another model than the bench trains (published not read)
         return None, f"estimate counted {row.params:,} parameters, the bench builds {built:,}"
     return row.device_bytes, ""
-
-
-def build_meta(case: Case, layers: Optional[int]) -> torch.nn.Module:
-    from posttrain.modules.models import presets
-
-    settings = expert_settings(case, layers)
-    return presets.build_model(case.arch, preset=settings.get("preset"), published=case.published,
-                               lora=settings.get("lora"), device="meta")
 
 
 # ---------------------------------------------------------------------- one process per case
@@ -308,12 +281,6 @@ def in_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return dict(case=name, error=f"exit {done.returncode}: {tail[:300]}")
     return json.loads(lines[-1])
-
-
-def size(b: Optional[int]) -> str:
-    if b is None:
-        return "n/a"
-    return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
 
 
 def row(r: dict[str, Any]) -> str:
@@ -350,7 +317,7 @@ def main() -> None:
     cases = [args.child] if args.child else args.cases
     if args.video:
         try:
-            frames, height, width = (int(v) for v in args.video.lower().split("x"))
+            frames, height, width = video_size(args.video)
         except ValueError:
             parser.error(f"--video {args.video!r}: give frames x height x width, e.g. 81x480x832")
         for name in cases:
@@ -360,11 +327,7 @@ def main() -> None:
             parser.error(f"--pretrained {args.pretrained!r}: no transformer/ folder there")
         for name in cases:
             CASES[name] = replace(CASES[name], pretrained=args.pretrained)
-    if args.device.startswith("cuda") and not args.peak_tflops:
-        from bench.gpu import PEAK_TFLOPS
-
-        gpu = torch.cuda.get_device_name()
-        args.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+    args.peak_tflops = Device(args.device).peak_tflops(args.peak_tflops)  # the card's, on a GPU
     if args.child:
         result = run_case(args.child, args.iterations, args.layers, args.device, not args.no_checkpointing,
                           peak_tflops=args.peak_tflops)

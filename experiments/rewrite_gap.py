@@ -35,6 +35,8 @@ import torch
 from bench.served import served_verdicts
 from experiments.rl_compare import BATCH, EVAL_SETS, EvalSet, method_cli
 from posttrain.modules.world.requests import LEXICON, Request, accuracy, canonical_caption, refine, rewrite_verdicts
+from posttrain.modules.world.requests import all_asked_right as right  # (B,) bool: every asked fact shown
+from posttrain.modules.world.requests import share_of_asked_right as mean_of_asked  # IntentReward's `mean` total
 from posttrain.modules.world.world import FACTS, Facts, parse_caption
 
 PROBES = ("caption", "full caption", "fact order", "synonyms", "filler", "request")
@@ -86,16 +88,6 @@ def verdicts_of(module, prompts: list[str], data: EvalSet, facts: list[Facts], s
 
 def score(table: torch.Tensor) -> dict[str, float]:
     return accuracy({f: table[:, i] for i, f in enumerate(FACTS)})
-
-
-def right(table: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: every asked fact shown."""
-    return (table.nan_to_num(1.0) == 1).all(1)
-
-
-def mean_of_asked(table: torch.Tensor) -> torch.Tensor:
-    """(B,) IntentReward's ``mean`` total: the share of the asked facts shown."""
-    return table.nan_to_num(0.0).sum(1) / (~table.isnan()).sum(1).clamp(min=1)
 
 
 @torch.no_grad()

@@ -143,16 +143,16 @@ def evaluate(module, kind: str, data: EvalSet) -> dict[str, float]:
     if kind == "requests":  # the system as it serves: through its refiners (JointRL) or the request verbatim
         for wording, requests in data.requests.items():
             texts, facts = [r.text for r in requests], [r.facts for r in requests]
-            videos = [module.generate(texts[i:i + BATCH], seed=seed).float()
-                      for seed, i in zip(seeds, range(0, len(texts), BATCH))]
-            for key, value in geneval_of(videos, facts).items():
+            served = lambda: [module.generate(texts[i:i + BATCH], seed=seed).float()  # noqa: E731
+                              for seed, i in zip(seeds, range(0, len(texts), BATCH))]
+            for key, value in geneval_of(served(), facts).items():
                 out[f"{wording}/{key}"] = value
             if isinstance(module, JointRL) and wording == "seen":  # the same system served greedy rewrites
                 serve, module.refiner_args.serve = module.refiner_args.serve, "greedy"
-                videos = [module.generate(texts[i:i + BATCH], seed=seed).float()
-                          for seed, i in zip(seeds, range(0, len(texts), BATCH))]
-                module.refiner_args.serve = serve
-                out["seen_greedy/all"] = geneval_of(videos, facts)["all"]
+                try:
+                    out["seen_greedy/all"] = geneval_of(served(), facts)["all"]
+                finally:
+                    module.refiner_args.serve = serve
             if isinstance(module, JointRL):
                 for name in module.card.refiners:
                     lm, tok = module.card[name], module.card.tokenizers[name]

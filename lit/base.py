@@ -38,7 +38,7 @@ from posttrain.lit.engine.startup import check_trainer
 from posttrain.modules.io import batch as batch_schema
 from posttrain.modules.models import presets
 from posttrain.modules.models.cards import ModelCard
-from posttrain.modules.models.distributed import any_rank
+from posttrain.modules.models.distributed import any_rank, world_size
 from posttrain.modules.models.generators import GeneratorStage, VideoSize
 from posttrain.modules.flow.samplers import FlowMatchSampler
 from posttrain.modules.models.versions import SyncPlan, constant
@@ -104,6 +104,10 @@ class ExpertModule(ExactResume, DeferredLogging):
     # when its CFG scale is not 1), as a PPO ratio recomputes each rollout step; a method whose update is a plain
     # forward of the policy (DiffusionNFT) sets False. ``posttrain estimate`` sizes the update's activations by it.
     update_runs_rollout_cfg: bool = True
+    # Whether the method trains a pair of noise experts (``transformer``, ``transformer_2``: whichever of them are
+    # trainable, each on the rows or steps of its range). One that does not refuses a card whose pair has a trainable
+    # expert at start-up.
+    trains_pair: bool = False
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None, run: Optional[RunArgs] = None):
         super().__init__()
@@ -143,10 +147,15 @@ class ExpertModule(ExactResume, DeferredLogging):
         pair = self.stage.transformer_2 is not None
         problems += [f"{method} trains `{name}`: set `trainable: true` and give it an optimizer"
                      for name in trains if name in self.card.specs and not self.card.specs[name].trainable
-                     and not (pair and name == self.stage.transformer)]
-        if pair and self.stage.transformer in trains and not self.policies:
+                     and not (pair and self.trains_pair and name == self.stage.transformer)]
+        if pair and self.trains_pair and self.stage.transformer in trains and not self.policies:
             problems.append(f"{method} trains the pair {list(self.stage.generators)}: set `trainable: true` and give "
                             f"an optimizer to one or both")
+        if pair and not self.trains_pair and self.policies:
+            problems.append(f"{method} trains one generator, but the card's is a pair of noise experts "
+                            f"{list(self.stage.generators)} (boundary_ratio={self.card.boundary_ratio}) with "
+                            f"{self.policies} trainable: finetune, flow_grpo and diffusion_nft train a pair (dmd2 "
+                            f"distills from one as its frozen teacher, `teacher` and `teacher_2`)")
         generator = self.card.specs.get(self.stage.transformer)
         if self.sampler.chunk_frames is not None and generator is not None \
                 and not presets.causal(generator.arch):
@@ -192,6 +201,32 @@ class ExpertModule(ExactResume, DeferredLogging):
         """``flag`` on any process. Under DDP every rank must run the same backward passes, so methods
         decide together whether an expert updates."""
         return any_rank(flag, self.device)
+
+    def experts_that_ran(self, timesteps: Sequence[float]) -> list[str]:
+        """The generator experts that train and ran at one of ``timesteps`` (host values) on any process: ``policies``
+        at once for one generator; of a pair, each trained expert whose range holds one of them, decided together
+        (one all-reduce of a mask) so that every process steps the same experts."""
+        if self.stage.transformer_2 is None:
+            return self.policies
+        ran = {self.stage.expert_at(float(t)) for t in timesteps}
+        flags = [name in ran for name in self.policies]
+        if world_size() > 1:
+            mask = torch.tensor(flags, dtype=torch.float32, device=self.device)
+            torch.distributed.all_reduce(mask, op=torch.distributed.ReduceOp.MAX)
+            flags = (mask > 0).tolist()
+        return [name for name, flag in zip(self.policies, flags) if flag]
+
+    def add_policy_roles(self, role: str, decay: Optional[Callable[[int], float]] = None) -> str:
+        """Add ``role`` of each generator expert that trains (``card.add_role``), blended toward its expert by a sync
+        plan with ``decay`` when given, and return the name that runs them: the copy of the one generator, or of a
+        pair the first trained expert's (running either copy runs the pair, each expert through its own copy where it
+        has one and a frozen expert as itself: ``GeneratorStage.pair_of``)."""
+        names = []
+        for policy in self.policies:
+            names.append(self.card.add_role(role, of=policy))
+            if decay is not None:
+                self.sync_plans.append(SyncPlan(policy, names[-1], decay))
+        return names[0]
 
     def configure_callbacks(self):
         return [IterationCounter(), WeightVersions(), PrecomputedRows()]
@@ -365,9 +400,7 @@ class ExpertModule(ExactResume, DeferredLogging):
         blended after each of its steps with this decay, which then serves (``serving_transformer``): sample
         videos, validation, ``predict``. Call from ``setup_roles``."""
         if decay is not None:  # a pair: each trained expert's EMA (``serving_transformer`` runs the pair's)
-            for generator in self.policies if self.stage.transformer_2 is not None else [self.stage.transformer]:
-                ema = self.card.add_role("ema", of=generator)
-                self.sync_plans.append(SyncPlan(generator, ema, constant(decay)))
+            self.add_policy_roles("ema", constant(decay))
 
     @property
     def serving_transformer(self) -> str:

@@ -27,7 +27,6 @@ from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rewards.base import Reward, score
 from posttrain.modules.rl.rollout import Rollout
 from posttrain.modules.flow.samplers import FlowMatchSampler
-from posttrain.modules.models.versions import SyncPlan
 
 
 class DiffusionNFT(ExpertModule):
@@ -56,6 +55,7 @@ class DiffusionNFT(ExpertModule):
     """
 
     update_runs_rollout_cfg = False  # the update is flow matching on freshly noised samples: one plain forward
+    trains_pair = True
 
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
@@ -83,6 +83,12 @@ class DiffusionNFT(ExpertModule):
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             problems.append(f"ema_decay={ema_decay} must be in (0, 1) (the reference's 0.9; null serves the policy "
                             f"itself)")
+        low, high = self.stage.sigma_range(self.policies)
+        self.sigma_bounds = (max(low, sigma_min), min(high, sigma_max))  # within the range of the experts that train
+        if self.sigma_bounds[0] >= self.sigma_bounds[1] and sigma_min < sigma_max and self.policies:
+            problems.append(f"sigma_min={sigma_min}, sigma_max={sigma_max} leave no σ in [{low}, {high}], the range of "
+                            f"the trained experts {self.policies} at boundary_ratio={self.card.boundary_ratio}: "
+                            f"widen [sigma_min, sigma_max] or train the other expert")
         if problems:
             raise ValueError("diffusion_nft:\n  - " + "\n  - ".join(problems))
         self.reward = reward if reward is not None else ColourAlignment()
@@ -97,13 +103,9 @@ class DiffusionNFT(ExpertModule):
         # `old`: the behaviour policy, a copy that trails the policy by the decay blend (a sync plan the
         # versions callback runs after every generator step, bumping `old`'s own version)
         # (a pair of noise experts: each trained expert's copies; running either runs the pair, GeneratorStage.pair_of)
-        for policy in self.policies:
-            old = self.card.add_role("old", of=policy)
-            self.sync_plans.append(SyncPlan(policy, old, partial(nft_old_decay, self.decay_type)))
-            self.old = self.old or old
-            if self.kl_beta > 0:
-                reference = self.card.add_role("reference", of=policy)
-                self.reference = self.reference or reference
+        self.old = self.add_policy_roles("old", partial(nft_old_decay, self.decay_type))
+        if self.kl_beta > 0:
+            self.reference = self.add_policy_roles("reference")
         self.keep_serving_ema(self.ema_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -134,13 +136,12 @@ class DiffusionNFT(ExpertModule):
         if len(keep):
             x0_k, cond_k, r_k = x0[keep], cond.select(keep), r[keep]
             # σ in [sigma_min, sigma_max], within the range of the experts that train (a pair of noise experts)
-            low, high = self.stage.sigma_range(self.policies)
-            low, high = max(low, self.sigma_min), min(high, self.sigma_max)
-            ran: set[str] = set()
+            low, high = self.sigma_bounds
+            timesteps: list[float] = []  # on the host: which experts ran
             for _ in range(self.num_timesteps):
-                sigma = sample_sigmas(len(keep), "uniform", self.generator, self.shift).to(self.device)
-                sigma = low + (high - low) * sigma
-                ran.update(self.stage.expert_at(t) for t in self.sampler.timestep_of(sigma).tolist())
+                sigma = low + (high - low) * sample_sigmas(len(keep), "uniform", self.generator, self.shift)
+                timesteps += self.sampler.timestep_of(sigma).tolist()
+                sigma = sigma.to(self.device)
                 noise = torch.randn(x0_k.shape, generator=self.generator).to(x0_k)
                 x_t, t = noised(x0_k, noise, sigma), self.sampler.timestep_of(sigma)
                 with torch.no_grad():
@@ -157,7 +158,7 @@ class DiffusionNFT(ExpertModule):
                 loss = loss + per_sample.mean() / self.num_timesteps
                 metrics_seen.append(metrics)
             # 5. one generator step (of each trained expert that ran); the versions callback then blends `old` toward it
-            self.step_experts(loss, [name for name in self.policies if self.any_rank(name in ran)])
+            self.step_experts(loss, self.experts_that_ran(timesteps))
 
         # 6. log
         self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)

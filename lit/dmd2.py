@@ -57,7 +57,8 @@ class DMD2(ExpertModule):
     """Args:
         card: needs ``transformer`` (the student, trainable; block-causal for Self-Forcing), ``critic`` (the fake
             score, trainable), ``teacher`` (frozen, its own source), ``text_encoder`` and ``vae``; student and
-            critic usually start from the teacher (``init_from: teacher``).
+            critic usually start from the teacher (``init_from: teacher``). A pair of noise experts is a teacher only
+            (``teacher``, ``teacher_2`` with the card's ``boundary_ratio``); a student pair is refused.
         sampler: the student's sampler (its scheduler, e.g. ``stochastic_sampling``; with ``chunk_frames``, chunk
             by chunk: Self-Forcing); it rolls out in training and serves ``predict`` and sample videos. Its steps
             are ``student_steps``'; None = the re-noising Euler scheduler with shift 3.

@@ -39,6 +39,8 @@ class Finetune(ExpertModule):
         run: size of generated videos, seed, NaN tolerance.
     """
 
+    trains_pair = True
+
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal", shift: float = 1.0,
                  logit_mean: float = 0.0, logit_std: float = 1.0, caption_dropout: float = 0.1,
@@ -58,6 +60,12 @@ class Finetune(ExpertModule):
         self.ema_decay = ema_decay
         self.val_sigmas = val_sigmas
         self.policy = self.stage.transformer
+        # [low, high] of σ before the flow shift: all of [0, 1], or, where one expert of a pair of noise experts
+        # trains, its range (shift(σ) = t / num_train_timesteps on its side of ``boundary_ratio``) unshifted, so every
+        # row trains it (the drawn distribution mapped onto the range, as ``sample_sigmas`` maps it). σ = σ' / (s -
+        # (s - 1)·σ') inverts σ' = sσ / (1 + (s - 1)σ) and keeps 0 and 1 exact (``shift_sigmas(σ', 1 / s)`` does not)
+        self.unshifted_sigma_range = tuple(s / (shift - (shift - 1) * s)
+                                           for s in self.stage.sigma_range(self.policies))
 
     def setup_roles(self) -> None:
         self.keep_serving_ema(self.ema_decay)
@@ -71,19 +79,20 @@ class Finetune(ExpertModule):
         drop = torch.rand(len(prompts), generator=self.generator) < self.caption_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
         cond = self.stage.condition(prompts, self.device, images=self.batch_images(batch), size=self.size_of(batch))
-        # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε
+        # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε; the experts that step: of a pair, each trained expert
+        #    that runs a row on any process (read from σ on the host; every process steps the same experts)
         sigma = sample_sigmas(x0.shape[0], self.sigma_sampling, self.generator, self.shift,
-                              self.logit_mean, self.logit_std, *self.sigma_range).to(self.device)
+                              self.logit_mean, self.logit_std, *self.unshifted_sigma_range)
+        stepping = self.experts_that_ran(self.sampler.timestep_of(sigma).tolist())
+        sigma = sigma.to(self.device)
         noise = torch.randn(x0.shape, generator=self.generator).to(x0)
         # 4. v_θ(x_σ, σ, c) regressed onto ε - x0
         with self.stage.velocity(self.policy) as velocity:
             v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
         per_sample, metrics = flow_matching_loss(v, x0, noise)
         loss = per_sample.mean()
-        # 5. one backward, one generator step (a pair of noise experts: of each trained expert that ran on a row of
-        #    any process, decided together so that every process steps the same experts)
-        ran = {self.stage.expert_at(t) for t in self.sampler.timestep_of(sigma).tolist()}
-        self.step_experts(loss, [name for name in self.policies if self.any_rank(name in ran)])
+        # 5. one backward, one step of each generator expert that ran
+        self.step_experts(loss, stepping)
         self.log(f"train/loss/{self.policy}", loss, prog_bar=True, on_step=True)
         self.log("train/cache_hit_rate", self.card.cache.hit_rate, on_step=True)
         return loss.detach()
@@ -102,16 +111,6 @@ class Finetune(ExpertModule):
                 v = velocity(noised(x0, noise, sigma), self.sampler.timestep_of(sigma), cond)
                 losses.append(flow_matching_loss(v, x0, noise)[0].mean())
         self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, batch_size=x0.shape[0], sync_dist=True)
-
-    @property
-    def sigma_range(self) -> tuple[float, float]:
-        """[low, high] of σ before the flow shift: all of [0, 1], or, where one expert of a pair of noise experts
-        trains, its range — shift(σ) = t / num_train_timesteps on its side of ``boundary_ratio`` — so every row
-        trains it (the drawn distribution mapped onto the range, as ``sample_sigmas`` maps it)."""
-        # the pre-shift σ of a shifted one: σ = σ' / (s - (s - 1)·σ') inverts σ' = sσ / (1 + (s - 1)σ)
-        s = self.shift
-        low, high = self.stage.sigma_range(self.policies)
-        return low / (s - (s - 1) * low), high / (s - (s - 1) * high)
 
     def latents(self, batch: dict) -> torch.Tensor:
         """(B, C, F', h, w) the clean latents it trains on: the datamodule's, or the VAE's of the batch's videos."""

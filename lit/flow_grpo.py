@@ -40,6 +40,8 @@ class FlowGRPO(ExpertModule):
         run: size of generated videos, seed, NaN tolerance.
     """
 
+    trains_pair = True
+
     def __init__(self, card: ModelCard, sampler: Optional[FlowMatchSampler] = None,
                  rollout_sampler: Optional[FlowMatchSampler] = None, reward: Optional[Reward] = None,
                  grpo: Optional[GRPOArgs] = None, run: Optional[RunArgs] = None):
@@ -53,15 +55,19 @@ class FlowGRPO(ExpertModule):
         self.reward = reward if reward is not None else ColourAlignment()
         self.policy = self.stage.transformer
         self.reference: Optional[str] = None  # the frozen KL anchor, added with the card's roles
+        # a pair of noise experts: the rollout schedule's timesteps (on the host) and the SDE steps an update may train
+        # on, set with the card's roles (the rollout sampler and the video size are fixed); None: all SDE steps
+        self.timesteps: list[float] = []
+        self.trainable_steps: Optional[list[int]] = None
 
     def setup_roles(self) -> None:
         if self.grpo.kl_beta > 0:  # a LoRA generator's reference is itself with the adapter off (no copy)
-            # a pair of noise experts: each trained expert's reference; running either runs the pair
-            # (GeneratorStage.pair_of: a frozen expert is its own reference)
-            self.reference = [self.card.add_role("reference", of=name) for name in self.policies][0]
-        if self.stage.transformer_2 is not None:  # a pair: some SDE step must be a trained expert's (checked at start)
+            # a pair of noise experts: each trained expert's reference (a frozen expert is its own)
+            self.reference = self.add_policy_roles("reference")
+        if self.stage.transformer_2 is not None:  # some SDE step must be a trained expert's (checked at start-up)
             schedule = self.stage.schedule(self.rollout_sampler, self.stage.latent_shape(self.video))
-            self.trained_steps(schedule.timesteps, self.rollout_sampler.sde_steps())
+            self.timesteps = schedule.timesteps.tolist()
+            self.trainable_steps = self.trained_steps(schedule.timesteps, self.rollout_sampler.sde_steps())
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prompts = batch_schema.prompts(batch, "flow_grpo")
@@ -98,12 +104,11 @@ class FlowGRPO(ExpertModule):
             order = keep[torch.randperm(len(keep), generator=self.generator).to(keep.device)]
             for index in order.chunk(grpo.num_minibatches) if len(order) else []:
                 # a pair of noise experts: the steps of the experts that train, each step updating its expert
-                steps = train_steps(sampler, grpo.timestep_fraction, self.generator,
-                                    among=self.trained_steps(rollout.traj.timesteps, rollout.traj.sde_mask))
+                steps = train_steps(sampler, grpo.timestep_fraction, self.generator, among=self.trainable_steps)
                 losses = rollout.select(index).step_losses(steps, advantages[index], grpo.clip_range, grpo.kl_beta,
                                                            self.reference, grpo.micro_batch_size, metrics)
-                ran = {self.expert_of(rollout, i) for i in steps}  # decided together: every process steps the same
-                self.step_experts(losses, [name for name in self.policies if self.any_rank(name in ran)])
+                ran = [self.timesteps[i] for i in steps] if self.timesteps else []  # one generator: all train
+                self.step_experts(losses, self.experts_that_ran(ran))
 
         # 7. log
         self.log("train/reward", rewards.total.mean(), prog_bar=True, on_step=True)
@@ -116,15 +121,9 @@ class FlowGRPO(ExpertModule):
             self.log(f"train/{key}/{self.policy}", value, on_step=True)
         return metrics["loss"][-1] if metrics else torch.zeros(())
 
-    def expert_of(self, rollout: Rollout, step: int) -> str:
-        """The generator expert that ran step ``step`` of ``rollout`` (of a pair: by its timestep)."""
-        return self.stage.expert_at(float(rollout.traj.timesteps[step]))
-
-    def trained_steps(self, timesteps: torch.Tensor, sde_mask: torch.Tensor) -> Optional[list[int]]:
-        """The SDE steps (of a schedule's ``timesteps`` and ``sde_mask``) an update may train on: those a trainable
-        expert runs (None: all of them, one generator)."""
-        if self.stage.transformer_2 is None:
-            return None
+    def trained_steps(self, timesteps: torch.Tensor, sde_mask: torch.Tensor) -> list[int]:
+        """The SDE steps (of a schedule's ``timesteps`` and ``sde_mask``) an update on a pair of noise experts may
+        train on: those a trainable expert runs."""
         steps = [i for i in torch.nonzero(sde_mask).flatten().tolist()
                  if self.stage.expert_at(float(timesteps[i])) in self.policies]
         if not steps:

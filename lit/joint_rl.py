@@ -34,8 +34,8 @@ from posttrain.modules.models.cards import ModelCard
 from posttrain.modules.rl.grpo import GRPOArgs, sde_problems, train_rows
 from posttrain.modules.rl.refiner_args import RefinerArgs
 from posttrain.modules.models.refiners import Refinements, refiner_logprob_gap, refiner_loss, sample_refinements
-from posttrain.modules.world.requests import CONCERN_TEMPLATES, REWRITE_TEMPLATE, facts_from_batch, \
-    refine as refine_greedy, refinement_tokens, rewrite_verdicts, serve
+from posttrain.modules.world.requests import CONCERN_TEMPLATES, REWRITE_TEMPLATE, facts_from_batch, faithful_rows, \
+    refine as refine_requests, refinement_tokens, serve
 from posttrain.modules.world.world import FACTS
 from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rewards.base import Reward, RewardOutput, credited_term, score, term_problems
@@ -224,12 +224,10 @@ class JointRL(ExpertModule):
         """Each refiner's refinement of each request (``refiners.serve``: sampled as in training, from an rng seeded
         with ``seed``, or greedy) and the prompts the generator is served."""
         rng = torch.Generator().manual_seed(seed)
-        if self.refiner_args.serve == "greedy":
-            refinements = {name: refine_greedy(self.card[name], self.card.tokenizers[name], prompts,
-                                               self.templates[name], max_new_tokens=self.max_new_tokens[name])
-                           for name in self.card.refiners}
-        else:
-            refinements = {name: self._sample(name, prompts, rng).texts for name in self.card.refiners}
+        temperature = self.refiner_args.temperature if self.refiner_args.serve == "sample" else None  # None: greedy
+        refinements = {name: refine_requests(self.card[name], self.card.tokenizers[name], prompts, self.templates[name],
+                                             temperature, rng, self.max_new_tokens[name])
+                       for name in self.card.refiners}
         served = [self._serve(p, [refinements[n][b] for n in self.card.refiners]) for b, p in enumerate(prompts)]
         return refinements, served
 
@@ -287,9 +285,7 @@ class JointRL(ExpertModule):
                              "requests with datamodules.Requests, or set generator_rows: refined")
         facts = [f for f in facts_from_batch(batch) for _ in range(repeats)]
         rows = refined.tolist()
-        verdicts = rewrite_verdicts([served[j] for j in rows], [facts[j] for j in rows])
-        right = (torch.stack([verdicts[f] for f in FACTS], dim=1).nan_to_num(1.0) == 1).all(1)
-        return refined[right.to(refined.device)]
+        return refined[faithful_rows([served[j] for j in rows], [facts[j] for j in rows]).to(refined.device)]
 
     def _problems(self, card, credit, generator_term, joint, table_every, sampler_option) -> list[str]:
         """Every configuration problem, collected before anything is built."""

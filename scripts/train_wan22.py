@@ -30,11 +30,10 @@ from transformers import ByT5Tokenizer
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sigmas
+from posttrain.modules.eval.evaluation import evaluate_generator
 from posttrain.modules.flow.samplers import FlowMatchSampler
-from posttrain.modules.models.cards import Expert, ModelCard
-from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize, wan_text_states, wan_tokens
+from posttrain.modules.models.generators import ADAPTERS, wan_text_states, wan_tokens
 from posttrain.modules.models.presets import TRAINED_ASSETS, build_model
-from posttrain.modules.world.geneval import SyntheticGenEval
 
 from train_world import encoded_dataset, ema_update  # noqa: E402  (scripts/ is the script's own folder)
 
@@ -91,21 +90,13 @@ def geneval(models: dict[str, torch.nn.Module], encoder, vae, boundary: float, a
     """Synthetic GenEval (all four facts right) of 20-step ODE samples of 64 seen-concept prompts through the
     package's stage: one ``transformer``, or a pair ``transformer`` / ``transformer_2`` at ``boundary``."""
     data = ShapesDataset(64, 1, 8, 8, seed=2, exclude=PRETRAIN_EXCLUDE)
-    prompts = [data[i]["prompt"] for i in range(len(data))]
-    experts = {"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
-               **{name: Expert(arch="wan_t2v") for name in models}}
-    card = ModelCard(experts, text_max_length=args.text_max_length,
-                     boundary_ratio=boundary if "transformer_2" in models else None)
-    card.models.update({"text_encoder": encoder, "vae": vae, **models})
-    card.tokenizers["text_encoder"] = ByT5Tokenizer()
-    stage, sampler = GeneratorStage(card), FlowMatchSampler(num_steps=20)
-    metric = SyntheticGenEval()
-    for i in range(0, len(prompts), 16):
-        batch = prompts[i:i + 16]
-        shape = stage.latent_shape(VideoSize(args.frames, args.size, args.size))
-        noise = torch.randn((len(batch), *shape), generator=torch.Generator().manual_seed(i // 16))
-        metric.update(stage.decode(stage.sample(sampler, noise, stage.condition(batch), None).latents), batch)
-    return {key: round(float(value), 3) for key, value in metric.compute().items()}
+    pair = "transformer_2" in models
+    scores = evaluate_generator(models["transformer"], encoder, ByT5Tokenizer(), vae,
+                                [data[i]["prompt"] for i in range(len(data))], batch_size=16, seed=0,
+                                frames=args.frames, height=args.size, width=args.size,
+                                sampler=FlowMatchSampler(num_steps=20), text_max_length=args.text_max_length,
+                                transformer_2=models.get("transformer_2"), boundary_ratio=boundary if pair else None)
+    return {key: round(float(value), 3) for key, value in scores.items()}
 
 
 def main() -> None:

@@ -94,6 +94,25 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def one_process():
+    """ShardedExpertsStrategy of one process in this pytest process (gloo); the group, which DeepSpeed caches, lives
+    until the end of the module, then it is torn down and the launch variables Lightning set for its one process
+    (MASTER_PORT and kin) are given back: a later ``posttrain fit`` of this worker would inherit them and bind a
+    port the group held."""
+    from posttrain.lit.engine.strategy import ShardedExpertsStrategy
+    from tests.helpers_strategy import LAUNCH_VARIABLES, close_process_group
+
+    before = {variable: os.environ.get(variable) for variable in LAUNCH_VARIABLES}
+    yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
+    for variable, value in before.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
+    close_process_group()
+
+
 def pytest_addoption(parser):
     parser.addoption("--kills", type=int, default=None,
                      help="tests/test_kill_anywhere.py: kill moments per config (default: the CI set of 3)")

@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from posttrain.callbacks.checkpoints import ModelCheckpoint
+from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.modules.world.geneval import SyntheticGenEval, windows
 from posttrain.modules.rewards.base import Reward
 from posttrain.lit.base import ExpertModule, RunArgs
@@ -83,6 +85,18 @@ def quick_trainer(max_steps: int, **kwargs) -> Trainer:
                     limit_val_batches=0)
     defaults.update(kwargs)
     return Trainer(**defaults)
+
+
+def fit_checkpointed(module, folder, steps: int, ckpt_path=None, num_samples: int = 8, every: int = 2,
+                     save_top_k: int = -1, callbacks=(), **trainer_kwargs) -> Trainer:
+    """Fit ``module`` for ``steps`` iterations on synthetic videos (5 frames of 16x16, batches of 2) with the
+    package's ModelCheckpoint in ``folder`` (every ``every`` iterations, ``last`` kept), from ``ckpt_path``; the
+    ``quick_trainer`` (``trainer_kwargs`` on top), which it returns."""
+    callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=every, save_last=True, save_top_k=save_top_k)
+    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback, *callbacks], **trainer_kwargs)
+    trainer.fit(module, SyntheticVideos(num_samples=num_samples, batch_size=2, frames=5, height=16, width=16),
+                ckpt_path=ckpt_path)
+    return trainer
 
 
 class NaNReward(Reward):

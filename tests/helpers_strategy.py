@@ -105,6 +105,20 @@ def kill_and_resume(folder: str, between: Optional[Callable[[str], None]] = None
     return folder
 
 
+def close_process_group() -> None:
+    """Tear down the process group a one-process strategy started in this pytest process, through DeepSpeed where it
+    holds it: it then drops the groups it cached (its clone of the world), so a later one-process strategy in this
+    process (an xdist worker runs the modules interleaved) builds fresh ones."""
+    import deepspeed.comm
+
+    if torch.distributed.is_initialized():
+        if deepspeed.comm.comm.cdb is not None:
+            deepspeed.comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
+    deepspeed.comm.comm.cdb = None
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -16,29 +16,25 @@ import yaml
 from lightning.pytorch import Callback, seed_everything
 
 import launch
-from posttrain.callbacks.checkpoints import ModelCheckpoint
 from posttrain.datamodules.sampling import ResumableLoader, ResumableSampler
-from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.modules.io import checkpoints as ckpt
 from posttrain.lit.base import RunArgs
 from posttrain.lit.finetune import Finetune
 from tests.conftest import adamw, wan_card
-from tests.helpers import TwoExperts, quick_trainer
+from tests.helpers import TwoExperts, fit_checkpointed
 from posttrain.modules.models.cards import Expert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = dict(frames=5, height=16, width=16)
 
 
-def fit(folder, steps: int, ckpt_path=None, module=None, every: int = 2, save_top_k: int = -1, callbacks=(),
-        **kwargs):
-    """A tiny finetune with the package's ModelCheckpoint in ``folder``; returns (module, trainer, warnings)."""
+def fit(folder, steps: int, ckpt_path=None, module=None, **kwargs):
+    """A tiny finetune with the package's ModelCheckpoint in ``folder`` (``fit_checkpointed``: ``every``,
+    ``save_top_k``, ``callbacks``, trainer settings); returns (module, trainer, warnings)."""
     module = module or Finetune(wan_card(), caption_dropout=0.0, ema_decay=0.9, run=RunArgs(**SIZE))
-    callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=every, save_last=True, save_top_k=save_top_k)
-    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback, *callbacks], **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, SyntheticVideos(num_samples=6, batch_size=2, **SIZE), ckpt_path=ckpt_path)
+        trainer = fit_checkpointed(module, folder, steps, ckpt_path, num_samples=6, **kwargs)
     return module, trainer, [str(w.message) for w in caught]
 
 

@@ -19,9 +19,10 @@ import yaml
 import launch
 from bench import memory  # the measured side
 from bench import sequence_parallel  # the bytes a forward saves for backward
-from posttrain.lit.tools.estimate import _inputs, estimate, meta_model
+from posttrain.lit.tools.estimate import _inputs, estimate, meta_model, weight_bytes
 from posttrain.modules.models import presets
 from posttrain.modules.models.cards import Expert, LoraConfig
+from tests.conftest import TINY_WAN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -310,6 +311,21 @@ def test_fp8_counts_a_byte_per_block_linear_weight_and_its_scales(tmp_path):
     assert (lora.trainable, lora.grad_bytes) == (plain["transformer"].trainable, plain["transformer"].grad_bytes)
 
 
+def test_the_weight_bytes_of_an_fp8_expert_are_those_the_quantized_model_holds():
+    """The estimate's weight bytes of an fp8 expert (counted on its meta model) equal the bytes of the parameters
+    of the real quantized model's state dict (quanto's float8 data and scales; its activation scales are buffers):
+    a change of quanto's layout fails here. A LoRA Wan over a bf16 float8 base, and UMT5 (tied embeddings, ``wo``
+    in float32)."""
+    for spec in (Expert(arch="wan_t2v", preset=TINY_WAN, dtype="bfloat16", fp8=True, trainable=True,
+                        lora=LoraConfig(rank=4)),
+                 Expert(arch="umt5", dtype="bfloat16", fp8=True)):
+        real = presets.build_model(spec.arch, preset=spec.preset, dtype=torch.bfloat16, fp8=True, lora=spec.lora)
+        buffers = {name for name, _ in real.named_buffers()}
+        held = {(t.data_ptr(), t.numel()): t.numel() * t.element_size()  # a tied tensor once
+                for k, t in real.state_dict().items() if k not in buffers}
+        assert weight_bytes(spec, meta_model(spec)) == sum(held.values()) > 0, spec.arch
+
+
 def test_offloaded_encoders_and_activations_move_to_the_host_column(tmp_path):
     """offload_encoders: the text encoder's weights move to the host column (and the VAE's encoder only when the
     batches bring latents; SyntheticVideos brings videos). offload_activations (with gradient checkpointing): the
@@ -325,6 +341,27 @@ def test_offloaded_encoders_and_activations_move_to_the_host_column(tmp_path):
     assert 0 < gen.activation_bytes < before.activation_bytes
     assert gen.activation_bytes + gen.host_bytes == before.activation_bytes
     assert off.device_bytes == plain.device_bytes - plain["text_encoder"].param_bytes - gen.host_bytes
+
+
+def test_offloaded_encoders_keep_the_vae_encoder_on_the_host_when_the_batches_bring_latents(tmp_path):
+    """With latents in the batches (``PrecomputedVideos``, a ``latents_cache``) offload_encoders keeps the VAE's
+    encoder in host memory too, as the run parks it (``ModelCard.offload_paths``): its weights move to the host
+    column, the decoder's stay on the device."""
+    path = with_card(write_config(tmp_path, {}), offload_encoders=True, cache_device="cpu")
+    plain = estimate(path, activations=False)
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    cfg["data"] = {"class_path": "posttrain.datamodules.precomputed.PrecomputedVideos",
+                   "init_args": {"path": str(tmp_path / "rows"), "batch_size": 1}}
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    latents = estimate(path, activations=False)
+    encoder = meta_model(Expert(arch="wan_vae")).encoder
+    moved = sum(p.numel() * p.element_size() for p in encoder.parameters())
+    assert moved > 0 and latents["vae"].host_bytes == moved and plain["vae"].host_bytes == 0
+    assert latents["vae"].param_bytes == plain["vae"].param_bytes - moved > 0
+    assert latents["text_encoder"].host_bytes == plain["text_encoder"].host_bytes > 0
+    assert any("its encoder" in note for note in latents["vae"].notes)
 
 
 def test_estimate_is_a_subcommand(capsys):

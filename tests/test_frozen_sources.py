@@ -15,7 +15,7 @@ from posttrain.lit.finetune import Finetune
 from posttrain.modules.models import presets
 from posttrain.modules.models.cards import Expert, ModelCard
 from tests.conftest import adamw
-from tests.helpers import quick_trainer
+from tests.helpers import fit_checkpointed, quick_trainer
 
 SIZE = dict(frames=5, height=16, width=16)
 
@@ -29,9 +29,7 @@ def card(umt5: str) -> ModelCard:
 def fit(folder, umt5: str, steps: int, ckpt_path=None):
     torch.manual_seed(0)
     module = Finetune(card(umt5), caption_dropout=0.0, ema_decay=0.9, run=RunArgs(**SIZE))
-    callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=2, save_last=True, save_top_k=-1)
-    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback])
-    trainer.fit(module, SyntheticVideos(num_samples=8, batch_size=2, **SIZE), ckpt_path=ckpt_path)
+    fit_checkpointed(module, folder, steps, ckpt_path)
     return module
 
 

@@ -35,6 +35,7 @@ def test_a_rewrite_that_is_the_caption_gets_the_captions_verdicts_under_the_same
     captions' videos there (so their verdicts), whatever rows 1 and 3 hold; a reworded caption at row 1 draws another
     video from the same noise: the measurement tells a rewrite from its caption by wording alone."""
     from posttrain.lit.base import ExpertModule
+    from posttrain.modules.world.geneval import judge_facts
 
     module = shipped().model.eval()
     requests = [RequestDataset(4, seed=11).request(i) for i in range(4)]
@@ -45,10 +46,20 @@ def test_a_rewrite_that_is_the_caption_gets_the_captions_verdicts_under_the_same
         b = ExpertModule.generate(module, mixed, seed=5000)
     assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
     assert not torch.equal(a[1], b[1])  # wording alone changes the video
-    va = served_verdicts(module, captions, facts, 5000, batch=4)
-    vb = served_verdicts(module, mixed, facts, 5000, batch=4)
+    # in batches of 2: batch i from seed 5000 + i, so request j gets the same noise whatever it is served
+    va = served_verdicts(module, captions, facts, 5000, batch=2)
+    vb = served_verdicts(module, mixed, facts, 5000, batch=2)
     assert va.shape == (4, len(FACTS))
     assert torch.equal(va[[0, 2]].nan_to_num(-1), vb[[0, 2]].nan_to_num(-1))
+    with torch.no_grad():
+        videos = torch.cat([ExpertModule.generate(module, captions[:2], seed=5000),
+                            ExpertModule.generate(module, captions[2:], seed=5001)]).float()
+    judged = judge_facts(videos, facts)
+    assert torch.equal(va.nan_to_num(-1), torch.stack([judged[f] for f in FACTS], dim=1).nan_to_num(-1))
+    # the joint RL rollout's SDE samples from the same noise: the same rule
+    sa = served_verdicts(module, captions, facts, 5000, batch=2, sde=True)
+    sb = served_verdicts(module, mixed, facts, 5000, batch=2, sde=True)
+    assert torch.equal(sa[[0, 2]].nan_to_num(-1), sb[[0, 2]].nan_to_num(-1))
 
 
 def test_faithful_generator_rows_are_the_rewrites_that_name_what_was_asked():
@@ -66,6 +77,32 @@ def test_faithful_generator_rows_are_the_rewrites_that_name_what_was_asked():
     assert kept.tolist() == [0, 2, 4, 5]
     with pytest.raises(ValueError, match="generator_rows='faithful'.*datamodules.Requests"):
         JointRL._faithful({"prompt": batch["prompt"]}, refined, served, repeats=4)
+
+
+def test_faithful_generator_rows_bound_what_the_generator_trains_on(monkeypatch):
+    """One iteration of the shipped system with ``generator_rows: faithful``: the generator's update keeps no more rows
+    than the refined samples whose served prompt names what was asked, fewer than all refined ones here."""
+    from lightning.pytorch import Callback
+
+    from posttrain.lit.joint_rl import JointRL
+    from tests.helpers import quick_trainer
+
+    faithful: list[int] = []
+    select = JointRL._faithful
+    monkeypatch.setattr(JointRL, "_faithful", staticmethod(
+        lambda *args, **kwargs: faithful.append(len(select(*args, **kwargs))) or select(*args, **kwargs)))
+    kept: list[float] = []
+
+    class Kept(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            kept.append(float(trainer.callback_metrics["train/kept_samples/transformer"]))
+
+    # at temperature 1.5 some of the iteration's rewrites name another fact than the one asked
+    cli = shipped("--model.init_args.generator_rows=faithful", "--model.init_args.refiners.temperature=1.5")
+    module = cli.model
+    refined = cli.datamodule.batch_size * (module.grpo.num_samples_per_prompt - module.refiner_args.num_unrefined)
+    quick_trainer(1, log_every_n_steps=1, callbacks=[Kept()]).fit(module, cli.datamodule)
+    assert len(faithful) == len(kept) == 1 and kept[0] <= faithful[0] < refined, (kept, faithful, refined)
 
 
 def system_scores(module, num: int = 48, seed: int = 101, noise_seed: int = 9000) -> dict[str, float]:
@@ -133,3 +170,4 @@ def test_greedy_serving_serves_each_refiners_most_likely_rewrite():
     assert module.refine(requests, seed=0)[1] == module.refine(requests, seed=1)[1] == [g.strip() for g in greedy]
     module.refiner_args.serve = "sample"
     assert module.refine(requests, seed=0) == module.refine(requests, seed=0)
+    assert module.refine(requests, seed=0)[1] != module.refine(requests, seed=1)[1]  # drawn: the seed matters

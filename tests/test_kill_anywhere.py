@@ -151,6 +151,11 @@ def test_kill_anywhere_resumes_bitwise(name, tmp_path, request):
     a = hk.checkpoint_contents(os.path.join(root, "straight", "checkpoints", "last.ckpt"))
     b = hk.checkpoint_contents(os.path.join(root, "killed", "checkpoints", "last.ckpt"))
     assert a["lightning.pt"]["global_step"] == steps and len(a) == len(b)
+    if name == "lora":  # the checkpoints hold the adapter: the base is left out, rebuilt from the asset
+        held = a["lightning.pt"]["state_dict"]
+        assert "transformer" in a["lightning.pt"]["posttrain"]["frozen"]
+        assert any(k.startswith("card.models.transformer.") for k in held)
+        assert not [k for k in held if k.startswith("card.models.transformer.") and "lora_" not in k]
     differ = hk.differences(a, b)
     assert not differ, f"after kills {moments}: {len(differ)} differences, e.g. {differ[:5]}"
     leftovers = [n for n in os.listdir(os.path.join(root, "killed", "checkpoints")) if n.startswith((".tmp-", ".old-"))]

@@ -5,6 +5,7 @@ the base from its source. The same under ZeRO-2, whose engine saves without the 
 as plain tensors."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -19,7 +20,7 @@ from posttrain.modules.io import checkpoints as ckpt
 from posttrain.modules.models import presets
 from posttrain.modules.models.cards import Expert, LoraConfig, ModelCard
 from tests.conftest import TINY_WAN, adamw
-from tests.helpers import quick_trainer
+from tests.helpers import fit_checkpointed, quick_trainer
 
 SIZE = dict(frames=5, height=16, width=16)
 BASE = {**TINY_WAN, "ffn_dim": 2048}  # a base many times its adapter, as real ones are
@@ -46,10 +47,23 @@ def fit(folder, base: str, steps: int, ckpt_path=None):
     """A LoRA finetune with an EMA copy (a role of the LoRA expert), a checkpoint every 2 iterations."""
     torch.manual_seed(0)
     module = Finetune(card(base), caption_dropout=0.0, ema_decay=0.9, run=RunArgs(**SIZE))
-    callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=2, save_last=True, save_top_k=-1)
-    trainer = quick_trainer(steps, enable_checkpointing=True, callbacks=[callback])
-    trainer.fit(module, SyntheticVideos(num_samples=8, batch_size=2, **SIZE), ckpt_path=ckpt_path)
-    return module, trainer
+    return module, fit_checkpointed(module, folder, steps, ckpt_path)
+
+
+@pytest.fixture
+def bases_kept(monkeypatch):
+    """``with bases_kept():`` checkpoints leave out what they did before LoRA bases were left out: frozen experts
+    alone."""
+    reloadable = ModelCard.reloadable
+
+    @contextlib.contextmanager
+    def kept():
+        with monkeypatch.context() as patch:
+            patch.setattr(ModelCard, "reloadable",
+                          lambda self: [n for n in reloadable(self) if not self.specs[n].trainable])
+            yield
+
+    return kept
 
 
 def assert_same_run(a, b) -> None:
@@ -111,14 +125,11 @@ def test_a_changed_lora_base_is_refused_by_name(tmp_path, base):
         fit(tmp_path / "ckpt", base, 4, ckpt_path="last")
 
 
-def test_a_checkpoint_that_holds_the_base_still_resumes_bitwise(tmp_path, base, monkeypatch):
+def test_a_checkpoint_that_holds_the_base_still_resumes_bitwise(tmp_path, base, bases_kept):
     """A checkpoint written before LoRA bases were left out (every weight of the LoRA expert inside) resumes: its
     base loads as it is, and the run continues as the uninterrupted one does."""
     folder = tmp_path / "ckpt"
-    with monkeypatch.context() as patch:  # what was left out then: frozen experts alone
-        reloadable = ModelCard.reloadable
-        patch.setattr(ModelCard, "reloadable",
-                      lambda self: [n for n in reloadable(self) if not self.specs[n].trainable])
+    with bases_kept():
         fit(folder, base, 2)
     held = ckpt.load(str(folder / "last.ckpt"))
     assert [k for k in held["state_dict"] if is_base(k)] and "transformer" not in held["posttrain"]["frozen"]
@@ -153,47 +164,15 @@ def test_export_from_an_adapter_only_checkpoint(tmp_path, base):
 
 
 # ---------------------------------------------------------------------- a ZeRO-2 LoRA expert
-@pytest.fixture(scope="module")
-def one_process():
-    """ShardedExpertsStrategy of one process in this pytest process (gloo); the group, which DeepSpeed caches, is torn
-    down at the end of the module."""
-    from posttrain.lit.engine.strategy import ShardedExpertsStrategy
-    from tests.helpers_strategy import LAUNCH_VARIABLES
-
-    before = {variable: os.environ.get(variable) for variable in LAUNCH_VARIABLES}
-    yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
-    # Lightning sets MASTER_PORT and kin for its one process: a later `posttrain fit` of this worker would inherit
-    # them and bind a port this group still holds
-    for variable, value in before.items():
-        if value is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = value
-    import deepspeed.comm
-
-    if torch.distributed.is_initialized():
-        if deepspeed.comm.comm.cdb is not None:
-            deepspeed.comm.destroy_process_group()
-        else:
-            torch.distributed.destroy_process_group()
-    deepspeed.comm.comm.cdb = None
-
-
 def fit_zero(folder, base: str, strategy, steps: int, ckpt_path=None):
     """The LoRA finetune of ``fit`` with the transformer in a ZeRO-2 engine (no EMA: one engine, one model)."""
-    from lightning.pytorch import Trainer
-
     from posttrain.modules.models.cards import ZeroConfig
 
     zero_card = card(base)
     zero_card.specs["transformer"].sharded, zero_card.specs["transformer"].zero = True, ZeroConfig(stage=2)
     torch.manual_seed(0)
     module = Finetune(zero_card, caption_dropout=0.0, ema_decay=None, run=RunArgs(**SIZE))
-    callback = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=2, save_last=True, save_top_k=-1)
-    trainer = Trainer(max_steps=steps, accelerator="cpu", devices=1, strategy=strategy, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      num_sanity_val_steps=0, callbacks=[callback])
-    trainer.fit(module, SyntheticVideos(num_samples=8, batch_size=2, **SIZE), ckpt_path=ckpt_path)
+    fit_checkpointed(module, folder, steps, ckpt_path, strategy=strategy)
     return module
 
 
@@ -245,17 +224,13 @@ def test_a_zero2_lora_checkpoint_holds_the_adapter_and_loads_as_plain_tensors(tm
     assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
 
 
-
-def test_a_zero2_lora_checkpoint_with_its_base_still_resumes_bitwise(tmp_path, base, one_process, monkeypatch):
+def test_a_zero2_lora_checkpoint_with_its_base_still_resumes_bitwise(tmp_path, base, one_process, bases_kept):
     """A ZeRO-2 checkpoint written before the base was left out (the engine saved every weight) resumes: the base in
     its shards loads as it is."""
     from posttrain.lit.engine.strategy import TAG
 
     folder = tmp_path / "ckpt"
-    with monkeypatch.context() as patch:  # what was left out then: frozen experts alone
-        reloadable = ModelCard.reloadable
-        patch.setattr(ModelCard, "reloadable",
-                      lambda self: [n for n in reloadable(self) if not self.specs[n].trainable])
+    with bases_kept():
         fit_zero(folder, base, one_process(), 2)
     shards = torch.load(folder / "last.ckpt" / "transformer" / TAG / "mp_rank_00_model_states.pt",
                         map_location="cpu", weights_only=False)

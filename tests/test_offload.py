@@ -182,10 +182,8 @@ def test_sharded_experts_strategy_leaves_parked_encoders_out_of_ddp(monkeypatch)
     """Under ShardedExpertsStrategy (one gloo process here) a ZeRO-2 LoRA generator and parked encoders: DDP's
     ignore list holds the engine's and the parked modules' tensors (NCCL could not broadcast host tensors), and a
     step trains."""
-    import deepspeed.comm
-
     from posttrain.lit.engine.strategy import ShardedExpertsStrategy
-    from tests.helpers_strategy import LAUNCH_VARIABLES
+    from tests.helpers_strategy import LAUNCH_VARIABLES, close_process_group
 
     for variable in LAUNCH_VARIABLES:  # Lightning sets them for its one process: gone again after the test
         monkeypatch.setenv(variable, "")
@@ -201,11 +199,7 @@ def test_sharded_experts_strategy_leaves_parked_encoders_out_of_ddp(monkeypatch)
         trainer = quick_trainer(max_steps=1, strategy=ShardedExpertsStrategy(process_group_backend="gloo"))
         trainer.fit(module, SyntheticVideos(num_samples=4, batch_size=2, frames=5, height=32, width=32))
     finally:
-        if deepspeed.comm.comm.cdb is not None:
-            deepspeed.comm.destroy_process_group()
-        elif torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        deepspeed.comm.comm.cdb = None
+        close_process_group()
     ignored = set(module._ddp_params_and_buffers_to_ignore)
     encoder = module.card.models["text_encoder"]
     assert {f"card.models.text_encoder.{n}" for n, _ in encoder.named_parameters()} <= ignored

@@ -126,13 +126,9 @@ def test_a_missing_pretrained_folder_still_names_the_download_and_never_builds_a
 
 
 def test_random_weights_turns_every_recipe_folder_into_its_published_model():
-    from posttrain.lit.tools.config import RANDOM_WEIGHTS, parse
+    from posttrain.lit.tools.config import parse
 
-    token = RANDOM_WEIGHTS.set(True)
-    try:
-        config = parse(RECIPE_1_3B_LORA)
-    finally:
-        RANDOM_WEIGHTS.reset(token)
+    config = parse(RECIPE_1_3B_LORA, random_weights=True)
     experts = config.model.init_args.card.init_args.experts
     assert {name: (e.published, e.pretrained, e.subfolder) for name, e in experts.items()} == {
         "text_encoder": ("Wan2.1-T2V-1.3B", None, "text_encoder"), "vae": ("Wan2.1-T2V-1.3B", None, "vae"),
@@ -155,27 +151,18 @@ def test_random_weights_refuses_a_folder_name_it_does_not_know(tmp_path):
     recipe["model"]["init_args"]["card"]["experts"]["vae"]["pretrained"] = "/models/MyVAE"
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    from posttrain.lit.tools.config import RANDOM_WEIGHTS, parse
+    from posttrain.lit.tools.config import parse
 
-    token = RANDOM_WEIGHTS.set(True)
-    try:
-        with pytest.raises(ValueError, match=r"its folder name 'MyVAE' is no published model this package knows.*"
-                                             r"known folder names: Wan2.1-T2V-1.3B-Diffusers, Wan2.1-T2V-14B-Diffusers"):
-            parse(str(path))
-    finally:
-        RANDOM_WEIGHTS.reset(token)
+    with pytest.raises(ValueError, match=r"its folder name 'MyVAE' is no published model this package knows.*"
+                                         r"known folder names: Wan2.1-T2V-1.3B-Diffusers, Wan2.1-T2V-14B-Diffusers"):
+        parse(str(path), random_weights=True)
 
 
 def test_estimate_with_random_weights_sizes_the_recipe_at_real_size(capsys):
     from posttrain.lit.tools.cli import main
-    from posttrain.lit.tools.config import RANDOM_WEIGHTS
     from posttrain.lit.tools.estimate import estimate
 
-    token = RANDOM_WEIGHTS.set(True)
-    try:
-        table = estimate(RECIPE_1_3B_LORA, devices=8, activations=False)
-    finally:
-        RANDOM_WEIGHTS.reset(token)
+    table = estimate(RECIPE_1_3B_LORA, devices=8, activations=False, random_weights=True)
     assert table["transformer"].params - table["transformer"].trainable == COUNTS[("Wan2.1-T2V-1.3B", "transformer")]
     assert table["text_encoder"].params == COUNTS[("Wan2.1-T2V-1.3B", "text_encoder")]
     main(["estimate", "--config", RECIPE_1_3B_LORA, "--devices", "8", "--activations", "false",

@@ -281,25 +281,6 @@ def test_zero_config_rejected_by_deepspeed():
     assert "DeepSpeed rejects" in message and "reduce_bucket_size" in message and "'transformer'" in message
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    """Strategies of one process in this pytest process; the gloo group (which DeepSpeed caches) lives
-    until the end of the module, then both are torn down."""
-    from posttrain.lit.engine.strategy import ShardedExpertsStrategy
-
-    yield lambda: ShardedExpertsStrategy(process_group_backend="gloo")
-    import deepspeed.comm
-
-    if torch.distributed.is_initialized():
-        # through DeepSpeed, which then drops the groups it cached (its clone of the world): the next module's
-        # one-process strategy in this pytest process (an xdist worker runs the modules interleaved) builds fresh ones
-        if deepspeed.comm.comm.cdb is not None:
-            deepspeed.comm.destroy_process_group()
-        else:
-            torch.distributed.destroy_process_group()
-    deepspeed.comm.comm.cdb = None
-
-
 @pytest.mark.slow
 def test_resume_with_other_stage_is_refused(runs, one_process, tmp_path):
     with pytest.raises(ValueError, match=r"expert 'transformer': checkpoint has ZeRO stage 3, this run 2"):

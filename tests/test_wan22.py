@@ -234,11 +234,26 @@ def test_diffusion_nft_updates_the_experts_that_train(trained):
                           num_timesteps=2, run=RUN)
     module.configure_model()
     before = {name: weights(card, name) for name in PAIR}
+    training_forwards = {name: 0 for name in PAIR}  # forwards with grad on: the policy's update
+    for name in PAIR:
+        card.models[name].register_forward_pre_hook(
+            lambda m, args, name=name: training_forwards.__setitem__(name, training_forwards[name]
+                                                                     + torch.is_grad_enabled()))
     quick_trainer(1).fit(module, Prompts(prompts=PROMPTS, batch_size=2))
     assert {f"{name}_old" for name in trained} <= set(card.roles)
     for name in PAIR:
         changed = any(not torch.equal(before[name][k], v) for k, v in card.models[name].state_dict().items())
         assert changed == (name in trained) and card.versions[name] == (name in trained)
+        assert (training_forwards[name] > 0) == (name in trained), training_forwards
+
+
+def test_diffusion_nft_refuses_a_sigma_range_outside_the_trained_experts_range():
+    """Only the low-noise expert trains (σ < 0.5), but sigma_min is 0.6: no σ is left, refused at start-up."""
+    from posttrain.lit.diffusion_nft import DiffusionNFT
+
+    with pytest.raises(ValueError, match=r"sigma_min=0.6, sigma_max=0.98 leave no σ in \[0.0, 0.5\], the range of the "
+                                         r"trained experts \['transformer_2'\] at boundary_ratio=0.5"):
+        DiffusionNFT(pair_card(trains=("transformer_2",), boundary_ratio=0.5), sigma_min=0.6, run=RUN)
 
 
 def test_dmd2_distills_from_a_pair_as_teacher():
@@ -265,6 +280,36 @@ def test_dmd2_distills_from_a_pair_as_teacher():
     quick_trainer(4).fit(module, Prompts(prompts=PROMPTS * 2, batch_size=4))
     assert rows["teacher"] and rows["teacher_2"]  # 4 iterations × 4 rows (× 2 for CFG) of σ in [0.02, 0.98]
     assert min(rows["teacher"]) >= 500 and max(rows["teacher_2"]) < 500
+
+
+def test_methods_of_one_generator_refuse_a_trainable_pair():
+    """Finetune, FlowGRPO and DiffusionNFT train a pair of noise experts; joint RL's generator and DMD2's student do
+    not: a card whose pair has a trainable expert is refused at start-up, naming the methods that train one (a frozen
+    pair still serves joint RL's prompt-only training)."""
+    from posttrain.lit.dmd2 import DMD2
+    from posttrain.lit.joint_rl import JointRL
+    from posttrain.modules.rl.refiner_args import RefinerArgs
+
+    def card(trains: tuple[str, ...], dmd2: bool = False) -> ModelCard:
+        """``pair_card`` plus DMD2's teacher and critic, or joint RL's refiner."""
+        if dmd2:
+            return ModelCard({**pair_card(trains).specs, "teacher": Expert(arch="wan_t2v", preset=TINY_WAN),
+                              "critic": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(1e-3))},
+                             text_max_length=32, boundary_ratio=0.875)
+        return ModelCard(dict(pair_card(trains).specs), num_refiners=1, text_max_length=32, boundary_ratio=0.875,
+                         refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(1e-3)))
+
+    refused = (r"trains one generator, but the card's is a pair of noise experts \['transformer', 'transformer_2'\] "
+               r"\(boundary_ratio=0.875\) with {} trainable: finetune, flow_grpo and diffusion_nft train a pair")
+    refiners = RefinerArgs(num_unrefined=1)
+    with pytest.raises(ValueError, match="joint_rl:" + r"(.|\n)*" + refused.format(r"\['transformer_2'\]")):
+        JointRL(card(("transformer_2",)), FlowMatchSampler(num_steps=3), joint=False, refiners=refiners, run=RUN)
+    with pytest.raises(ValueError, match=refused.format(r"\['transformer', 'transformer_2'\]")):
+        JointRL(card(PAIR), FlowMatchSampler(num_steps=3), refiners=refiners, run=RUN)
+    JointRL(card(()), FlowMatchSampler(num_steps=3), joint=False, refiners=refiners, run=RUN)  # a frozen pair serves
+    with pytest.raises(ValueError, match="dmd2:" + r"(.|\n)*" + refused.format(r"\['transformer', 'transformer_2'\]")
+                       + r" \(dmd2 distills from one as its frozen teacher"):
+        DMD2(card(PAIR, dmd2=True), run=RUN)
 
 
 def shrink_pair(cfg: dict) -> None:

@@ -30,15 +30,11 @@ def offload_encoders(module) -> None:
     device = trainer.strategy.root_device
     data = getattr(trainer, "datamodule", None)
     precomputed = getattr(data, "manifest", None) is not None
-    parked = [name for name in stage.encoders if not card.specs[name].trainable]
-    vae = card.models[stage.vae]
-    if (precomputed or getattr(data, "latents_cache", None) is not None) and not stage.takes_image \
-            and isinstance(getattr(vae, "encoder", None), torch.nn.Module):
-        parked.append(f"{stage.vae}.encoder")
+    parked = card.offload_paths(stage, latents=precomputed or getattr(data, "latents_cache", None) is not None)
     for path in parked:
         card.park(path, device)
     # DDP neither broadcasts nor checks the device of what stays on the host (frozen: the same file on every rank);
-    # ShardedExpertsStrategy leaves out ``card.parked`` itself
+    # ShardedExpertsStrategy adds its engines' tensors to this list
     prefixes = tuple(f"card.models.{path}." for path in parked)
     names = [n for n, _ in [*module.named_parameters(), *module.named_buffers()] if n.startswith(prefixes)]
     module._ddp_params_and_buffers_to_ignore = list(dict.fromkeys(

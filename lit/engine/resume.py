@@ -142,7 +142,8 @@ class ExactResume(LightningModule):
         experts read from a file (the UMT5 of Wan 1.3B alone is ~23 GB in fp32) and the base of a LoRA expert (~2.8
         GB of Wan 1.3B in bf16 in every save; the adapter stays). Returns the checkpoint's ``frozen`` entry: per
         expert the SHA-256 of what was left out (computed once: it never changes) and its source; per LoRA role (an
-        EMA or ``old`` copy) whose base still equals its expert's, ``base_of`` that expert."""
+        EMA or ``old`` copy) ``base_of`` that expert: a role is a copy of its expert, and its sync plan blends only
+        what trains (``SyncPlan.pairs``), so its base is the expert's."""
         frozen = {}
         sources = self.card.sources()
         for name in self.card.reloadable():
@@ -150,18 +151,18 @@ class ExactResume(LightningModule):
             # a sharded LoRA expert is not in `state_dict`: its engine saves it without the base
             dropped = self._drop(state_dict, name, self.card.frozen_state(name))
             if dropped or (spec.sharded and spec.lora is not None):
-                if name not in self._frozen_digests:
-                    self._frozen_digests[name] = self.card.weights_digest(name, frozen_only=True)
-                frozen[name] = {"sha256": self._frozen_digests[name], "source": sources[name]}
+                frozen[name] = {"sha256": self._digest(name), "source": sources[name]}
         for name, (of, _) in self.card.roles.items():
-            if of not in frozen or self.card.specs[of].lora is None or name not in self.card.models:
-                continue
-            # an EMA or `old` copy lerps its base towards the expert's equal one, which leaves it equal
-            base, own = self.card.frozen_state(of), self.card.frozen_state(name)
-            if own.keys() == base.keys() and all(_equal(own[k], base[k]) for k in own) \
-                    and self._drop(state_dict, name, own):
+            if of in frozen and self.card.specs[of].lora is not None and name in self.card.models \
+                    and self._drop(state_dict, name, self.card.frozen_state(name)):
                 frozen[name] = {"base_of": of}
         return frozen
+
+    def _digest(self, name: str) -> str:
+        """SHA-256 of what expert ``name``'s source rebuilds (``weights_digest``), computed once: it never changes."""
+        if name not in self._frozen_digests:
+            self._frozen_digests[name] = self.card.weights_digest(name, frozen_only=True)
+        return self._frozen_digests[name]
 
     @staticmethod
     def _drop(state_dict: dict, name: str, keys) -> bool:
@@ -180,24 +181,21 @@ class ExactResume(LightningModule):
         for name, saved in frozen.items():
             if "base_of" in saved:  # a LoRA role: its base is its expert's, whose own entry checks the source
                 continue
-            if name not in self._frozen_digests:
-                self._frozen_digests[name] = self.card.weights_digest(name, frozen_only=True)
-            digest = self._frozen_digests[name]
+            digest = self._digest(name)
             if digest != saved["sha256"]:
                 source = saved.get("source") or {}
                 where = source.get("pretrained") or (f"published {source['published']!r}, its seeded weights"
                                                      if source.get("published") else
                                                      f"the shipped {source.get('arch')!r} weights")
-                if source.get("lora") is None:
-                    raise ValueError(
-                        f"frozen expert {name!r} is not the one this checkpoint was trained with: its source ({where}) "
-                        f"changed since (weights SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…). Restore that "
-                        f"source, or start a new run from the checkpoint's trained experts")
-                raise ValueError(
-                    f"the base of LoRA expert {name!r} is not the one this checkpoint's adapter was trained on: its "
-                    f"source ({where}) changed since (base weights SHA-256 {digest[:12]}… vs "
-                    f"{saved['sha256'][:12]}…), and the checkpoint holds the adapter alone. Restore that source to "
-                    f"resume, or start a new run on the new base")
+                lora = source.get("lora") is not None
+                subject, weights, trained, closing = (
+                    (f"the base of LoRA expert {name!r}", "base weights", "this checkpoint's adapter was trained on",
+                     ", and the checkpoint holds the adapter alone. Restore that source to resume, or start a new run "
+                     "on the new base") if lora else
+                    (f"frozen expert {name!r}", "weights", "this checkpoint was trained with",
+                     ". Restore that source, or start a new run from the checkpoint's trained experts"))
+                raise ValueError(f"{subject} is not the one {trained}: its source ({where}) changed since ({weights} "
+                                 f"SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…){closing}")
         state_dict = checkpoint["state_dict"]
         for name, saved in frozen.items():
             prefix = f"card.models.{name}."
@@ -206,13 +204,6 @@ class ExactResume(LightningModule):
                 continue  # a sharded LoRA expert's engine loads its adapter; its module kept the source's base
             for key, value in self.card.frozen_state(name).items():
                 state_dict[prefix + key] = value
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal``; float8 weights (an fp8 base, which it does not take on the CPU) compared bit for bit."""
-    if a.is_floating_point() and a.element_size() == 1:
-        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return torch.equal(a, b)
 
 
 def check_signature(saved: dict, current: dict, shown: int = 3) -> None:

@@ -195,18 +195,20 @@ class ShardedExpertsStrategy(DDPStrategy):
             card.route(name, engine)
             self.engines[name] = engine
 
-        # DDP for the rest: the engines reduce their own gradients; frozen modules parked in host memory
-        # (``offload_encoders``) stay out, as under plain DDP
-        prefixes = tuple(f"card.models.{name}." for name in [*self.engines, *card.parked])
-        ignore = [n for n, _ in module.named_parameters() if n.startswith(prefixes)]
-        ignore += [n for n, _ in module.named_buffers() if n.startswith(prefixes)]
+        # DDP for the rest: the engines reduce their own gradients; what the module's list already holds (frozen
+        # modules parked in host memory, ``offload_encoders``) stays out too
+        prefixes = tuple(f"card.models.{name}." for name in self.engines)
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        ignore = list(dict.fromkeys([*getattr(module, "_ddp_params_and_buffers_to_ignore", []),
+                                     *(n for n, _ in tensors if n.startswith(prefixes))]))
         module._ddp_params_and_buffers_to_ignore = ignore
-        if any(p.requires_grad for n, p in module.named_parameters() if not n.startswith(prefixes)):
+        ignored = set(ignore)
+        if any(p.requires_grad for n, p in module.named_parameters() if n not in ignored):
             super().configure_ddp()
         else:
             # nothing left to reduce: no DDP wrapper, but start every process from rank 0's weights as DDP would
-            for n, tensor in [*module.named_parameters(), *module.named_buffers()]:
-                if not n.startswith(prefixes):
+            for n, tensor in tensors:
+                if n not in ignored:
                     dist.broadcast(tensor.data, src=0)
 
     # ------------------------------------------------------------------ the base's hooks
@@ -325,12 +327,15 @@ class ShardedExpertsStrategy(DDPStrategy):
 
     def _load_engine(self, engine, folder: str, tag: str, universal: bool = False) -> None:
         """``engine.load_checkpoint`` of its shards (weights, optimizer, scheduler) in ``folder/tag``; ``universal``:
-        a universal checkpoint, whatever the engine's config says."""
+        a universal checkpoint, whatever the engine's config says. The module's weights: every key but the base a
+        checkpoint saved with ``exclude_frozen_parameters`` leaves out (a LoRA base, which the module was built with
+        from its source, digest-checked by ``lit/engine/resume.py``); anything else missing is refused."""
         configured = engine._config.load_universal_checkpoint  # DeepSpeed reads it when it loads, not before
         engine._config.load_universal_checkpoint = configured or universal
         try:
-            load_path, _ = engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True, custom_load_fn=_load_module)
+            load_path, _ = engine.load_checkpoint(
+                folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+                custom_load_fn=lambda src, dst: presets.load_onto_base(dst, src))
         finally:
             engine._config.load_universal_checkpoint = configured
         if load_path is None:
@@ -379,11 +384,12 @@ class ShardedExpertsStrategy(DDPStrategy):
         import deepspeed
 
         differ: list[str] = []
+        reloadable = set(self._card().reloadable())  # the same on every process: each skips the same parameters
         for name in names:
             with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
                 reference = ckpt.full_weights(os.path.join(path, name)) if self.is_global_zero else {}
             for key, param in self._card().models[name].named_parameters():
-                if not param.requires_grad and key not in reference:  # a LoRA base: the source's, not in the shards
+                if not param.requires_grad and name in reloadable:  # a LoRA base: the source's, not in the shards
                     continue
                 gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") \
                     else contextlib.nullcontext()
@@ -426,18 +432,6 @@ class ShardedExpertsStrategy(DDPStrategy):
             raise ValueError(f"checkpoint {path!r} does not match this run's sharding; nothing was loaded:\n  - "
                              + "\n  - ".join(problems))
         return resize
-
-
-def _load_module(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
-    """An engine's module weights from its checkpoint (DeepSpeed's ``custom_load_fn``): every key but the frozen
-    parameters a checkpoint saved with ``exclude_frozen_parameters`` leaves out (a LoRA base, which the module was
-    built with from its source, digest-checked by ``lit/engine/resume.py``); anything else missing is refused."""
-    missing, unexpected = dst.load_state_dict(src, strict=False)
-    frozen = {key for key, param in dst.named_parameters() if not param.requires_grad}
-    missing = [key for key in missing if key not in frozen]
-    if missing or unexpected:
-        raise RuntimeError(f"ZeRO checkpoint weights do not fit the model: missing {missing[:5]}, unexpected "
-                           f"{unexpected[:5]}")
 
 
 # ---------------------------------------------------------------------- DeepSpeed configs

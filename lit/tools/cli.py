@@ -44,7 +44,7 @@ from posttrain.lit.tools import export as export_tool
 from posttrain.lit.tools import preprocess as preprocess_tool
 from posttrain.lit.tools import reward as reward_tool
 from posttrain.lit.tools import serve_reward as serve_reward_tool
-from posttrain.lit.tools.config import RANDOM_WEIGHTS, PosttrainCLI
+from posttrain.lit.tools.config import PosttrainCLI
 
 SUBCOMMANDS = ("fit", "validate", "predict")
 TOOLS = ("export", "estimate", "preprocess", "reward", "serve-reward")
@@ -101,9 +101,6 @@ def estimate_parser() -> ArgumentParser:
     estimate = estimate_tool.estimate
     parser = ArgumentParser(prog="posttrain estimate", description=estimate.__doc__, exit_on_error=False)
     parser.add_function_arguments(estimate, as_positional=False)
-    parser.add_argument("--random_weights", type=bool, default=False,
-                        help="true: size the config as `posttrain fit --random_weights true` runs it (every "
-                             "`pretrained` folder read as the published model its name names; no folder needed)")
     return parser
 
 
@@ -523,12 +520,7 @@ def main(args: Optional[list[str]] = None) -> None:
             print(preprocess_tool.preprocess(**preprocess_parser().parse_args(argv[1:]).as_dict()))
             return
         if command == "estimate":
-            options = estimate_parser().parse_args(argv[1:]).as_dict()
-            token = RANDOM_WEIGHTS.set(bool(options.pop("random_weights")))
-            try:
-                print(estimate_tool.estimate(**options))
-            finally:
-                RANDOM_WEIGHTS.reset(token)
+            print(estimate_tool.estimate(**estimate_parser().parse_args(argv[1:]).as_dict()))
             return
         if command == "reward":
             print(reward_tool.reward(**reward_parser().parse_args(argv[1:]).as_dict()))

@@ -19,7 +19,6 @@
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import importlib
 import inspect
@@ -181,7 +180,7 @@ class PosttrainCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")  # None when built with run=False
         config = self.config[subcommand] if subcommand else self.config
-        random_weights = bool(config.get("random_weights") or RANDOM_WEIGHTS.get())
+        random_weights = bool(config.get("random_weights"))
         if config.get("preset") == "tiny" and random_weights:
             raise ValueError("`--preset tiny` builds every expert from its tiny preset, `--random_weights true` at "
                              "the published model's real size: give one of the two")
@@ -282,6 +281,15 @@ def _signature_defaults(class_path: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- --preset tiny
+def experts_of(config) -> list:
+    """The card's experts (and its refiner template) of a parsed config, as their argument namespaces."""
+    def args(ns):
+        return ns.init_args if "init_args" in ns else ns
+
+    card = args(config.model.init_args.card)
+    return [args(e) for e in list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])]
+
+
 def apply_tiny_preset(config) -> None:
     """A recipe at the embedded default's size: every expert from its tiny preset, i.e. the shipped asset where
     there is one (the sources, dtypes, attention backends and offloading of real weights dropped; LoRA,
@@ -294,13 +302,12 @@ def apply_tiny_preset(config) -> None:
         for key, value in values.items():
             setattr(ns, key, value)
 
-    card = args(config.model.init_args.card)
-    experts = list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])
-    for expert in map(args, experts):
+    for expert in experts_of(config):
         assign(expert, pretrained=None, published=None, subfolder=None, tokenizer=None, preset={}, dtype="float32",
                attention_backend=None, compile=False)
         if expert.get("zero") is not None:
             assign(args(expert.zero), offload_optimizer=False, offload_params=False, precision="fp32")
+    card = args(config.model.init_args.card)
     card.text_max_length = min(card.get("text_max_length") or 64, 64)
     run = config.model.init_args.get("run")
     if run is not None:
@@ -318,20 +325,6 @@ def apply_tiny_preset(config) -> None:
 
 
 # ---------------------------------------------------------------------- --random_weights true
-# the tools that parse a fit config themselves (``posttrain estimate --random_weights true``) set this around
-# ``parse``; ``posttrain fit`` reads its own flag
-RANDOM_WEIGHTS: contextvars.ContextVar[bool] = contextvars.ContextVar("random_weights", default=False)
-
-
-def experts_of(config) -> list:
-    """The card's experts (and its refiner template) of a parsed config, as their argument namespaces."""
-    def args(ns):
-        return ns.init_args if "init_args" in ns else ns
-
-    card = args(config.model.init_args.card)
-    return [args(e) for e in list((card.get("experts") or {}).values()) + ([card.refiner] if card.get("refiner") else [])]
-
-
 def apply_random_weights(config) -> None:
     """A real-model recipe at real size with random weights: every expert's ``pretrained`` folder becomes the
     published model the folder's name names (``/models/Wan2.1-T2V-14B-Diffusers`` -> ``published:
@@ -394,8 +387,9 @@ def wandb_run_of(ckpt_path: Optional[str], checkpoints: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- a config for the tools
-def parse(config: str, tool: str = "estimate"):
-    """The parsed fit config ``config`` (checked by LightningCLI's parser; nothing built)."""
+def parse(config: str, tool: str = "estimate", random_weights: bool = False):
+    """The parsed fit config ``config`` (checked by LightningCLI's parser; nothing built); ``random_weights``: as
+    ``posttrain fit --random_weights true`` reads it."""
     class ParseOnly(PosttrainCLI):
         def instantiate_classes(self) -> None:  # parse and check the YAML; build nothing
             pass
@@ -408,7 +402,8 @@ def parse(config: str, tool: str = "estimate"):
     check_experts(config, tool)
     try:  # LightningCLI warns when a caller's own command line is there too: hide it for the parse
         with mock.patch.object(sys, "argv", sys.argv[:1]):
-            return ParseOnly(args=["--config", config], run=False, parser_kwargs={"exit_on_error": False}).config
+            args = ["--config", config] + (["--random_weights", "true"] if random_weights else [])
+            return ParseOnly(args=args, run=False, parser_kwargs={"exit_on_error": False}).config
     except Exception as err:  # jsonargparse's ArgumentError names the key and the value
         raise ValueError(f"{tool}: {config!r} is not a valid fit config: {err}") from err
 

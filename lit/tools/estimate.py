@@ -150,7 +150,7 @@ class MemoryEstimate:
 
 def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int] = None,
              batch_size: Optional[int] = None, activations: bool = True,
-             sequence_parallel: Optional[int] = None) -> MemoryEstimate:
+             sequence_parallel: Optional[int] = None, random_weights: bool = False) -> MemoryEstimate:
     """Per-process memory of parameters, gradients, optimizer states and activations of every expert of a
     ``posttrain fit`` config, for ``devices`` x ``num_nodes`` processes and each expert's ZeRO stage,
     offload and precision. Nothing is built at full size.
@@ -164,11 +164,13 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
         activations: trace activations (a few seconds per trainable expert); False leaves them out.
         sequence_parallel: processes sharing one sample's tokens; default the config's
             ``trainer.strategy.init_args.sequence_parallel`` (``ShardedExpertsStrategy``), else 1.
+        random_weights: size the config as ``posttrain fit --random_weights true`` runs it (every ``pretrained``
+            folder read as the published model its name names; no folder needed).
 
     Returns:
         a ``MemoryEstimate``; ``print`` it for the table.
     """
-    cfg = parse(config, "estimate")
+    cfg = parse(config, "estimate", random_weights)
     devices = _count("trainer.devices", devices if devices is not None else cfg.trainer.devices, config)
     num_nodes = _count("trainer.num_nodes", num_nodes if num_nodes is not None else (cfg.trainer.num_nodes or 1),
                        config)
@@ -314,22 +316,25 @@ def _numel(params: list[nn.Parameter]) -> int:
 
 
 def fp8_weights(spec: Expert, model: nn.Module) -> dict[int, int]:
-    """id -> output rows of the weights ``Expert.fp8`` stores in float8 e4m3 (optimum-quanto): the Linear layers
+    """id -> input features of the weights ``Expert.fp8`` stores in float8 e4m3 (optimum-quanto): the Linear layers
     ``modules.models.fp8.targets`` picks (inside the blocks, not norms, not a LoRA adapter's); embeddings, norms and
     the layers around the blocks keep the dtype."""
     if not spec.fp8:
         return {}
     from posttrain.modules.models import fp8
 
-    return {id(layer.weight): layer.weight.shape[0] for layer in map(model.get_submodule, fp8.targets(model))}
+    return {id(layer.weight): layer.in_features for layer in map(model.get_submodule, fp8.targets(model))}
 
 
-def weight_bytes(spec: Expert, model: nn.Module) -> int:
-    """Bytes of ``model``'s weights as the expert stores them: each in its dtype, but an fp8 weight
-    (``fp8_weights``) at 1 byte a parameter plus its scale, one value per output row in the weight's dtype."""
-    fp8 = fp8_weights(spec, model)
-    sizes = {id(p): p.numel() + fp8[id(p)] * p.element_size() if id(p) in fp8 else p.numel() * p.element_size()
-             for p in model.parameters()}
+def weight_bytes(spec: Expert, model: nn.Module, fp8: Optional[dict[int, int]] = None) -> int:
+    """Bytes of ``model``'s weights as the expert stores them: each in its dtype, but an fp8 weight (``fp8_weights``,
+    or ``fp8`` when given) at ``fp8.bytes_per_parameter``: 1 byte a parameter plus its scale, one value per output
+    row in the weight's dtype."""
+    from posttrain.modules.models.fp8 import bytes_per_parameter
+
+    fp8 = fp8_weights(spec, model) if fp8 is None else fp8
+    sizes = {id(p): round(p.numel() * bytes_per_parameter(fp8[id(p)], p.dtype)) if id(p) in fp8
+             else p.numel() * p.element_size() for p in model.parameters()}
     return sum(sizes.values())
 
 
@@ -348,9 +353,10 @@ def optimizer_state_bytes(spec: Expert, dtype: torch.dtype) -> int:
 
 # ---------------------------------------------------------------------- per component
 def _frozen(name: str, spec: Expert, model: nn.Module, placement: str) -> ComponentMemory:
+    fp8 = fp8_weights(spec, model)
     c = ComponentMemory(name, spec.arch, placement, _numel(list(model.parameters())), 0,
-                        param_bytes=weight_bytes(spec, model))
-    if fp8_weights(spec, model):
+                        param_bytes=weight_bytes(spec, model, fp8))
+    if fp8:
         c.placement += ", fp8"
     return c
 
@@ -376,14 +382,15 @@ def _expert(name: str, spec: Expert, model: nn.Module, world: int) -> ComponentM
     grads = train_bytes * (2 if world > 1 else 1)
     # per dtype: the optimizer keeps its state in its parameter's dtype (a bf16 model's float32 modules: float32)
     per_dtype = {dtype: optimizer_state_bytes(spec, dtype) for dtype in {p.dtype for p in unique}}
+    fp8 = fp8_weights(spec, model)
     c = ComponentMemory(name, spec.arch, "DDP" if world > 1 else "single process", n_all, n_train,
-                        param_bytes=weight_bytes(spec, model), grad_bytes=grads,
+                        param_bytes=weight_bytes(spec, model, fp8), grad_bytes=grads,
                         optimizer_bytes=sum(p.numel() * per_dtype[p.dtype] for p in unique))
     if world > 1:
         c.notes.append("gradients counted twice: .grad and DDP's bucket (gradient_as_bucket_view=False)")
     if spec.lora is not None:
         c.placement += ", LoRA"
-    if fp8_weights(spec, model):
+    if fp8:
         c.placement += ", fp8 base"
     return c
 
@@ -451,9 +458,10 @@ def deepspeed_estimate(spec: Expert, model: nn.Module, world: int, devices: Opti
 
 
 def offloaded_encoders(components: list[ComponentMemory], card: ModelCard, method, cfg) -> None:
-    """With the card's ``offload_encoders`` (``lit.engine.encoders``), move to the host column the
-    generator's frozen text encoders, and the VAE's encoder where every batch brings latents (a ``latents_cache``,
-    ``PrecomputedVideos``) and the generator reads no image; the device keeps the rest (the VAE's decoder)."""
+    """With the card's ``offload_encoders``, move to the host column what the run keeps there
+    (``ModelCard.offload_paths``, ``lit.engine.encoders``): the generator's frozen text encoders, and the VAE's
+    encoder where every batch brings latents (a ``latents_cache``, ``PrecomputedVideos``) and the generator reads no
+    image; the device keeps the rest (the VAE's decoder)."""
     stage = getattr(method, "stage", None)
     if not card.offload_encoders or stage is None:
         return
@@ -462,19 +470,21 @@ def offloaded_encoders(components: list[ComponentMemory], card: ModelCard, metho
     latents = str(getattr(data, "class_path", "")).endswith("PrecomputedVideos") \
         or getattr(init, "latents_cache", None) is not None
     by_name = {c.name: c for c in components}
-    for name in stage.encoders:
+    for path in card.offload_paths(stage, latents):
+        name, _, sub = path.partition(".")
+        if card.specs[name].trainable:  # as the run's ModelCard.park refuses it
+            raise ValueError(f"estimate: offload_encoders cannot keep {path!r} in host memory: expert {name!r} trains")
         c = by_name.get(name)
-        if c is not None and not c.trainable:
-            c.host_bytes, c.param_bytes = c.host_bytes + c.param_bytes, 0
+        if c is None:
+            continue
+        moved = weight_bytes(card.specs[name], card.models[name].get_submodule(sub)) if sub else c.param_bytes
+        c.host_bytes, c.param_bytes = c.host_bytes + moved, c.param_bytes - moved
+        if sub:
+            c.notes.append(f"offload_encoders: its {sub} ({moved / 2**20:.0f} MiB) in host memory: the batches bring "
+                           f"latents")
+        else:
             c.placement += ", host"
             c.notes.append("offload_encoders: in host memory once the run's prompts are cached")
-    vae, c = card.models[stage.vae] if stage.vae in card.models else None, by_name.get(stage.vae)
-    encoder = getattr(vae, "encoder", None)
-    if latents and c is not None and not c.trainable and not stage.takes_image and isinstance(encoder, nn.Module):
-        moved = weight_bytes(card.specs[stage.vae], encoder)
-        c.host_bytes, c.param_bytes = c.host_bytes + moved, c.param_bytes - moved
-        c.notes.append(f"offload_encoders: its encoder ({moved / 2**20:.0f} MiB) in host memory: the batches bring "
-                       f"latents")
 
 
 # ---------------------------------------------------------------------- activations

@@ -76,25 +76,27 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
     if stages is not None:
         serving = stages.get(name, {})
     weights_dtype = dtype_of(dtype or "float32")
-    model = parts.model(name)
     adapter = ADAPTERS.get(parts.arch(name))
+    adapter_files = parts.lora(name) is not None and lora != "merged"  # the adapter as its own files
+    if adapter_files and adapter is None:
+        raise ValueError(f"export: {name!r} ({parts.arch(name)}) has a LoRA adapter; export it with --lora merged")
+    pair = serving.get("transformer_2") if name == serving.get("transformer") else None  # Wan 2.2's noise experts
+    if pair and adapter_files and pipeline and not with_base:  # one adapter alone would serve half of the steps
+        raise ValueError(f"export: {name!r} is the high-noise expert of a pair with {pair!r}; export the pair whole "
+                         f"with --lora merged, or each expert's adapter alone with --expert {name} --pipeline false "
+                         f"and --expert {pair} --pipeline false")
+    if pair and pipeline and adapter is not None and parts.lora(pair) is not None and lora != "merged":
+        raise ValueError(f"export: the low-noise expert {pair!r} carries a LoRA adapter; export the pair with "
+                         f"--lora merged, or each adapter alone with --expert {pair} --pipeline false")
+    model = parts.model(name)
     lora_files = None  # the adapter's files, ready to write
+    if adapter_files:
+        formats = {None: adapter_lora.formats_of(parts.arch(name)), "both": adapter_lora.FORMATS}.get(
+            format, (format,))
+        trained = adapter_lora.adapter_of(model, name, parts.arch(name), parts.source(name))
+        lora_files = adapter_lora.prepare(trained, formats, dtype_of(dtype or "bfloat16"))
     if parts.lora(name) is not None:
-        if adapter is None and lora != "merged":
-            raise ValueError(f"export: {name!r} ({parts.arch(name)}) has a LoRA adapter; export it with --lora merged")
-        if lora == "merged":
-            model.fuse_lora(lora_scale=1.0)
-        else:
-            formats = {None: adapter_lora.formats_of(parts.arch(name)), "both": adapter_lora.FORMATS}.get(
-                format, (format,))
-            trained = adapter_lora.adapter_of(model, name, parts.arch(name), parts.source(name))
-            lora_files = adapter_lora.prepare(trained, formats, dtype_of(dtype or "bfloat16"))
-        model.unload_lora()
-    if serving.get("transformer_2") and name == serving.get("transformer") and lora_files is not None and pipeline \
-            and not with_base:  # a pair of noise experts: one adapter alone would serve half of the steps
-        raise ValueError(f"export: {name!r} is the high-noise expert of a pair with {serving['transformer_2']!r}; "
-                         f"export the pair whole with --lora merged, or each expert's adapter alone with "
-                         f"--expert {name} --pipeline false and --expert {serving['transformer_2']} --pipeline false")
+        _unload_adapter(model, fuse=lora == "merged")
     os.makedirs(out, exist_ok=True)
     if lora_files is not None and not with_base:  # the adapter alone, and the settings to serve it with
         lora_files.write(out)
@@ -114,9 +116,11 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
     image_encoder = parts.model(serving["image_encoder"]) if serving.get("image_encoder") else None
     components = adapter.pipeline_components(model, parts.model(serving.get("vae", "vae")),
                                              list(zip(text_encoders, tokenizers)), image_encoder)
-    if serving.get("transformer_2") and name == serving.get("transformer"):  # a pair of noise experts (Wan 2.2)
-        components.update(transformer_2=_pair_expert(parts, serving["transformer_2"], lora),
-                          boundary_ratio=serving["boundary_ratio"])
+    if pair:  # the low-noise expert whole (a LoRA one's adapter fused in: refused above unless --lora merged)
+        transformer_2 = parts.model(pair)
+        if parts.lora(pair) is not None:
+            _unload_adapter(transformer_2, fuse=True)
+        components.update(transformer_2=transformer_2, boundary_ratio=serving["boundary_ratio"])
     for key, value in components.items():
         if isinstance(value, torch.nn.Module):
             presets.cast(value, weights_dtype)
@@ -129,17 +133,11 @@ def export(ckpt: str, out: str, expert: Optional[str] = None, pipeline: bool = T
     return out
 
 
-def _pair_expert(parts: "_Parts", name: str, lora: str) -> torch.nn.Module:
-    """The low-noise expert of a pair as the pipeline's ``transformer_2``: whole weights (a LoRA expert's adapter
-    fused in with ``--lora merged``)."""
-    model = parts.model(name)
-    if parts.lora(name) is not None:
-        if lora != "merged":
-            raise ValueError(f"export: the low-noise expert {name!r} carries a LoRA adapter; export the pair with "
-                             f"--lora merged, or each adapter alone with --expert {name} --pipeline false")
+def _unload_adapter(model: torch.nn.Module, fuse: bool) -> None:
+    """Take ``model``'s LoRA adapter off, fused into its weights first with ``fuse`` (``--lora merged``)."""
+    if fuse:
         model.fuse_lora(lora_scale=1.0)
-        model.unload_lora()
-    return model
+    model.unload_lora()
 
 
 def _write_serving(out: str, adapter, pipeline_class: type, name: str, serving: dict[str, Any]) -> None:
@@ -193,27 +191,20 @@ class _Parts:
         with the checkpoint's adapter loaded on top."""
         prefix = f"card.models.{name}."
         state = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
-        if not state:  # not in the checkpoint: the expert's own source (a frozen expert)
-            source = self.source(name)
-            return presets.build_model(source["arch"], source.get("pretrained"), source.get("subfolder"),
-                                       source.get("preset") or None, published=source.get("published"))
-        if name in (self.meta.get("frozen") or {}):  # a LoRA base left out: from its source, the adapter on top
+        if not state or name in (self.meta.get("frozen") or {}):
+            # from the expert's source: a frozen expert the checkpoint does not hold; a LoRA base it left out, in the
+            # dtype it trained in, with the checkpoint's adapter loaded on top
             source = self.source(name)
             model = presets.build_model(source["arch"], source.get("pretrained"), source.get("subfolder"),
-                                        source.get("preset") or None, dtype_of(source.get("dtype") or "float32"),
-                                        lora=self.lora(name), published=source.get("published"))
-            from peft.tuners.lora import LoraLayer
-
-            adapter_layers = set(LoraLayer.adapter_layer_names)
-            unexpected = sorted(set(state) - set(model.state_dict()))
-            lacking = sorted(k for k in model.state_dict()
-                             if k not in state and not adapter_layers.isdisjoint(k.split(".")))
-            if unexpected or lacking:
-                raise ValueError(f"export: {name!r} in {self.path!r}: the checkpoint's weights do not fit the model "
-                                 f"its source builds: unexpected {unexpected[:5]}, adapter weights missing "
-                                 f"{lacking[:5]}")
-            model.load_state_dict(state, strict=False)  # the base keys it lacks are the source's
-            return model.eval()
+                                        source.get("preset") or None,
+                                        dtype_of(source.get("dtype") or "float32") if state else None,
+                                        lora=self.lora(name) if state else None, published=source.get("published"))
+            if not state:
+                return model
+            try:
+                return presets.load_onto_base(model, state).eval()
+            except ValueError as err:
+                raise ValueError(f"export: {name!r} in {self.path!r}: {err}") from err
         try:
             model = presets.build_model(self.arch(name), config=self.meta["configs"][name], weights=state,
                                         lora=self.lora(name))

@@ -20,10 +20,12 @@ Modules = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
 
 def stage_of(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae: torch.nn.Module,
-             arch: str = "wan_t2v", text_max_length: int = 64) -> GeneratorStage:
+             arch: str = "wan_t2v", text_max_length: int = 64, transformer_2: Optional[torch.nn.Module] = None,
+             boundary_ratio: Optional[float] = None) -> GeneratorStage:
     """The generator stage of plain modules: ``transformer`` of ``arch``, its text encoder(s) and tokenizer(s)
     (one each, or a sequence in the adapter's order, e.g. FLUX's CLIP then T5) and its VAE, on a card of their
-    own (its prompt cache lives as long as the stage)."""
+    own (its prompt cache lives as long as the stage). With ``transformer_2``, a pair of noise experts handing over
+    at ``boundary_ratio`` (Wan 2.2 A14B: ``transformer`` the high-noise expert)."""
     adapter = presets.architecture(arch).adapter
     if adapter is None:
         raise ValueError(f"arch {arch!r} is not a generator; generators: {presets.archs('generator')}")
@@ -34,10 +36,11 @@ def stage_of(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae
                          f"({', '.join(adapter.text_encoder_archs)}); got {len(encoders)} and {len(tokenizers)} "
                          f"tokenizer(s)")
     vae_arch = next(name for name in presets.archs("vae") if type(vae) is presets.model_class(name))
-    specs = {"transformer": Expert(arch=arch), "vae": Expert(arch=vae_arch),
+    generators = {"transformer": transformer, **({} if transformer_2 is None else {"transformer_2": transformer_2})}
+    specs = {**{name: Expert(arch=arch) for name in generators}, "vae": Expert(arch=vae_arch),
              **{name: Expert(arch=kind) for name, kind in zip(adapter.text_encoders, adapter.text_encoder_archs)}}
-    card = ModelCard(specs, text_max_length=text_max_length)
-    card.models.update({"transformer": transformer, "vae": vae, **dict(zip(adapter.text_encoders, encoders))})
+    card = ModelCard(specs, text_max_length=text_max_length, boundary_ratio=boundary_ratio)
+    card.models.update({**generators, "vae": vae, **dict(zip(adapter.text_encoders, encoders))})
     card.tokenizers.update(dict(zip(adapter.text_encoders, tokenizers)))
     return GeneratorStage.named(card)
 
@@ -46,12 +49,13 @@ def stage_of(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae
 def generate(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae: torch.nn.Module,
              prompts: Sequence[str], seed: int = 0, frames: int = 5, height: int = 32, width: int = 32,
              sampler: Optional[FlowMatchSampler] = None, text_max_length: int = 64,
-             arch: str = "wan_t2v") -> torch.Tensor:
+             arch: str = "wan_t2v", transformer_2: Optional[torch.nn.Module] = None,
+             boundary_ratio: Optional[float] = None) -> torch.Tensor:
     """(B, 3, F, H, W) decoded ODE samples of ``prompts`` from noise seeded by ``seed``, as ``predict``
-    makes them (the configs' sampler by default: 20 Euler steps, shift 3). The one place evaluation
-    calls the sampler."""
+    makes them (the configs' sampler by default: 20 Euler steps, shift 3), through ``transformer`` or the pair
+    ``transformer`` / ``transformer_2`` at ``boundary_ratio``. The one place evaluation calls the sampler."""
     sampler = sampler or FlowMatchSampler(num_steps=20)
-    stage = stage_of(transformer, text_encoder, tokenizer, vae, arch, text_max_length)
+    stage = stage_of(transformer, text_encoder, tokenizer, vae, arch, text_max_length, transformer_2, boundary_ratio)
     shape = stage.latent_shape(VideoSize(frames, height, width))
     noise = torch.randn((len(prompts), *shape), generator=torch.Generator().manual_seed(seed))
     cond = stage.condition(list(prompts))
@@ -62,7 +66,8 @@ def generate(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae
 def evaluate_generator(transformer: torch.nn.Module, text_encoder: Modules, tokenizer,
                        vae: torch.nn.Module, prompts: Sequence[str], batch_size: int = 16, seed: int = 0,
                        **generate_kwargs) -> dict[str, torch.Tensor]:
-    """Synthetic GenEval of a generator's samples of ``prompts`` (batch ``i`` from seed ``seed + i``)."""
+    """Synthetic GenEval of a generator's samples of ``prompts`` (batch ``i`` from seed ``seed + i``; ``generate_kwargs``:
+    ``generate``'s, e.g. a pair's ``transformer_2`` and ``boundary_ratio``)."""
     metric = SyntheticGenEval()
     for i in range(0, len(prompts), batch_size):
         batch = list(prompts[i:i + batch_size])

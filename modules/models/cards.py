@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import hashlib
 import re
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from torch import nn
 
 from posttrain.modules.models import fp8, presets
 from posttrain.modules.models.cache import EmbeddingCache
+from posttrain.modules.models.parked import Parked
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -258,15 +258,20 @@ class ModelCard(nn.Module):
         if problems:
             raise ValueError("invalid model card:\n  - " + "\n  - ".join(problems))
 
-    def pair_problems(self) -> list[str]:
-        """A ``boundary_ratio`` without a pair of generators ``X``, ``X_2`` to hand over between, or the other way
-        round."""
+    def pairs(self) -> list[str]:
+        """The low-noise experts of the card's pairs of noise experts: each generator ``X_2`` beside a generator
+        ``X``."""
         def generator(name: str) -> bool:
             spec = self.specs.get(name)
             return spec is not None and spec.arch in presets.PRESETS and \
                 presets.architecture(spec.arch).kind == "generator"
 
-        pairs = [name for name in self.specs if name.endswith("_2") and generator(name) and generator(name[:-2])]
+        return [name for name in self.specs if name.endswith("_2") and generator(name) and generator(name[:-2])]
+
+    def pair_problems(self) -> list[str]:
+        """A ``boundary_ratio`` without a pair of generators ``X``, ``X_2`` to hand over between, or the other way
+        round."""
+        pairs = self.pairs()
         if self.boundary_ratio is None:
             return [f"expert {name!r} is the low-noise expert of a pair with {name[:-len('_2')]!r}: set the card's "
                     f"boundary_ratio (where the pair hands over, a fraction of the train timesteps; Wan2.2-T2V-A14B: "
@@ -407,10 +412,11 @@ class ModelCard(nn.Module):
         """What a checkpoint must match to be loaded into this card: names, classes, training flags."""
         sig = {name: {"arch": spec.arch, "trainable": spec.trainable, "sharded": spec.sharded,
                       "lora": spec.lora is not None} for name, spec in self.specs.items()}
+        low = self.pairs() if self.boundary_ratio is not None else []
         for name, spec in self.specs.items():  # written only when set, so checkpoints from before still match
             if spec.fp8:  # float8 weights hold other state-dict keys (weight._data, weight._scale)
                 sig[name]["fp8"] = True
-            if self.boundary_ratio is not None and name.endswith("_2"):  # where a pair of noise experts hands over
+            if name in low:  # where a pair of noise experts hands over
                 sig[name]["boundary_ratio"] = self.boundary_ratio
         sig.update({name: {"role_of": of, "role": role} for name, (of, role) in self.roles.items()})
         return sig
@@ -432,8 +438,7 @@ class ModelCard(nn.Module):
         frozen expert; only the base of a LoRA expert (its adapter and anything else that trains stay in
         checkpoints; a sharded one's engine saves without it: ``exclude_frozen_parameters``). Kept whole: a frozen
         expert of random preset weights, an expert built with ``init_from``; roles (EMA, old, reference) are the
-        trained expert's copies (``lit/engine/resume.py`` leaves out a LoRA role's base where it equals the
-        expert's)."""
+        trained expert's copies (``lit/engine/resume.py`` leaves out a LoRA role's base too: it is the expert's)."""
         names = []
         for name, spec in self.specs.items():
             rebuilt = presets.loads_weights(spec.arch, spec.pretrained, spec.preset) or spec.published is not None
@@ -444,19 +449,15 @@ class ModelCard(nn.Module):
 
     def frozen_state(self, name: str) -> dict[str, torch.Tensor]:
         """The state-dict entries of component ``name`` that never train: all of a frozen expert's; a LoRA model's
-        base (every entry but the adapter's layers, peft's ``LoraLayer.adapter_layer_names``, and the parameters
-        that train)."""
+        base (``presets.base_keys``: every entry but the adapter's layers and the parameters that train; for a role,
+        those that train in its expert)."""
         model = self.models[name]
         state = model.state_dict()
         expert = self.roles[name][0] if name in self.roles else name  # a role copies its expert's layers
         if self.specs[expert].lora is None:
             return state
-        from peft.tuners.lora import LoraLayer
-
-        adapter = set(LoraLayer.adapter_layer_names)
-        trained = {key for key, param in model.named_parameters() if param.requires_grad}
-        return {key: value for key, value in state.items()
-                if key not in trained and adapter.isdisjoint(key.split("."))}
+        base = presets.base_keys(model, trains=self.models[expert])
+        return {key: value for key, value in state.items() if key in base}
 
     def weights_digest(self, name: str, frozen_only: bool = False) -> str:
         """SHA-256 of expert ``name``'s weights (names, dtypes, shapes, bytes), to tell that a source changed;
@@ -480,6 +481,17 @@ class ModelCard(nn.Module):
         ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
         return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
 
+    def offload_paths(self, stage: Any, latents: bool) -> list[str]:
+        """What ``offload_encoders`` keeps in host memory for the generator ``stage`` (``GeneratorStage``): its frozen
+        text encoders, and its VAE's encoder where every batch brings its latents (``latents``: a ``latents_cache``,
+        ``PrecomputedVideos``) and the generator reads no conditioning image (``park`` refuses a VAE that trains).
+        The run parks these (``lit.engine.encoders``), ``posttrain estimate`` counts them in host memory."""
+        paths = [name for name in stage.encoders if not self.specs[name].trainable]
+        vae = self.models[stage.vae] if stage.vae in self.models else None
+        if latents and not stage.takes_image and isinstance(getattr(vae, "encoder", None), nn.Module):
+            paths.append(f"{stage.vae}.encoder")
+        return paths
+
     def park(self, path: str, device: torch.device) -> None:
         """Keep the frozen module at ``path`` (an expert, ``text_encoder``, or part of one, ``vae.encoder``) in host
         memory, whatever moves the card; a call to it runs on ``device`` (``Parked``)."""
@@ -489,81 +501,6 @@ class ModelCard(nn.Module):
         if path not in self.parked:
             module = self.models[name].get_submodule(sub) if sub else self.models[name]
             self.parked[path] = Parked(module, device)
-
-
-class Parked:
-    """A frozen module whose weights live in host memory between calls: each call copies them to ``device`` (and
-    the call's tensor arguments there), runs, hands its output back on the device the caller's first tensor came
-    from, and drops the device copy, pointing the module back at the host copy (the weights are frozen: nothing
-    to copy back). Host copies are pinned on CUDA, so the copy runs at the link's speed. ``calls`` counts the
-    calls that brought it to the device."""
-
-    def __init__(self, module: nn.Module, device: torch.device):
-        self.device = torch.device(device)
-        self.tensors = [*module.parameters(), *module.buffers()]
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self.host = [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in self.tensors]
-        self.calls = 0
-        self._held = False
-        self._home()
-        module.register_forward_pre_hook(self._to_device, with_kwargs=True)
-        module.register_forward_hook(self._back, always_call=True)
-        # the module stays where it is parked when its parent moves (Lightning's `model.to(device)`)
-        for sub in module.modules():
-            sub._apply = functools.partial(_kept, sub)
-
-    def _home(self) -> None:
-        for tensor, host in zip(self.tensors, self.host):
-            tensor.data = host
-
-    @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        """On ``device`` for the whole block (many calls, one copy)."""
-        for tensor, host in zip(self.tensors, self.host):
-            tensor.data = host.to(self.device)
-        self._held = True
-        try:
-            yield
-        finally:
-            self._held = False
-            self._home()
-
-    def _to_device(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if self._held:
-            return None
-        self.calls += 1
-        self._caller = next((x.device for x in (*args, *kwargs.values()) if torch.is_tensor(x)), self.device)
-        for tensor, host in zip(self.tensors, self.host):
-            tensor.data = host.to(self.device, non_blocking=True)
-        # top-level tensors only: a list argument may be state the module fills in place (a VAE's feature cache)
-        move = lambda x: x.to(self.device) if torch.is_tensor(x) else x  # noqa: E731
-        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
-
-    def _back(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self._held:
-            return output
-        self._home()
-        if isinstance(output, dict):  # a transformers ModelOutput: set in place (it keeps its attributes in step)
-            for key, value in output.items():
-                output[key] = _moved(value, self._caller)
-            return output
-        return _moved(output, self._caller)
-
-
-def _kept(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
-    """``nn.Module._apply`` of a parked module: nothing moves it (``Parked`` does)."""
-    return module
-
-
-def _moved(value: Any, device: torch.device) -> Any:
-    """``value`` with its tensors (at any depth of tuples, lists and dicts) on ``device``."""
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_moved(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _moved(v, device) for k, v in value.items()}
-    return value
 
 
 class Routed:

@@ -1,5 +1,6 @@
 """Frozen ``nn.Linear`` weights stored in float8 (e4m3, one scale per output channel) through optimum-quanto, and
-models built or loaded block by block so that a full-precision copy is never held.
+models built block by block (``materialize``; a streamed load: ``presets.build_model``) so that a full-precision
+copy is never held.
 
 What is quantized (``targets``): the Linear layers inside the model's repeated blocks (Wan's ``blocks``, FLUX's
 ``transformer_blocks`` and ``single_transformer_blocks``, T5's ``encoder.block``, CLIP's ``encoder.layers``...), which
@@ -15,9 +16,9 @@ wraps a ``QLinear`` like any Linear, so a LoRA expert's adapter stays in its dty
 """
 from __future__ import annotations
 
-import os
+import functools
 import sys
-from typing import Callable, Sequence, Union
+from typing import Callable, Union
 
 import torch
 from torch import nn
@@ -46,16 +47,13 @@ def targets(model: nn.Module) -> list[str]:
     """The paths of the Linear layers ``quantize`` stores in float8: inside a block (``blocks``), not a norm's (an
     adaptive norm's modulation), not a LoRA adapter's, not quantized yet. One the class keeps in float32 (T5's
     ``wo``) is stored in float8 with float32 scales and still computes in float32."""
-    chosen = []
-    for path in blocks(model):
-        for name, module in model.get_submodule(path).named_modules():
-            parts = name.split(".")
-            if type(module) is not nn.Linear:
-                continue
-            if any("norm" in part or part.startswith("lora_") for part in parts):
-                continue
-            chosen.append(f"{path}.{name}")
-    return chosen
+    return [f"{path}.{name}" for path in blocks(model) for name in _targets_in(model.get_submodule(path))]
+
+
+def _targets_in(block: nn.Module) -> list[str]:
+    """``targets`` of one block, by their paths inside it."""
+    return [name for name, module in block.named_modules() if type(module) is nn.Linear
+            and not any("norm" in part or part.startswith("lora_") for part in name.split("."))]
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -72,11 +70,9 @@ def quantize(model: nn.Module, only: Union[str, None] = None) -> nn.Module:
     loader quantizing each block as its tensors arrive). Layers already quantized are left as they are."""
     from optimum.quanto import freeze, quantize as quanto_quantize
 
-    chosen = targets(model)
-    units = [only] if only is not None else blocks(model)
-    for path in units:
+    for path in [only] if only is not None else blocks(model):
         block = model.get_submodule(path)
-        names = [name[len(path) + 1:] for name in chosen if name.startswith(f"{path}.")]
+        names = _targets_in(block)
         if names:
             quanto_quantize(block, weights=QTYPE, include=names)
             freeze(block)
@@ -128,13 +124,15 @@ def bytes_per_parameter(in_features: int, dtype: torch.dtype) -> float:
     return 1 + torch.finfo(dtype).bits / 8 / in_features
 
 
-# ---------------------------------------------------------------------- built and loaded block by block
-def _units(model: nn.Module) -> list[str]:
+# ---------------------------------------------------------------------- block by block (built here, loaded by presets)
+def units(model: nn.Module) -> list[str]:
     """The blocks, then ``""`` for everything else: the order a block-wise build fills the model in."""
     return [*blocks(model), ""]
 
 
-def _unit_of(name: str, units: list[str]) -> str:
+def unit_of(name: str, units: list[str]) -> str:
+    """The unit of ``units`` (``units(model)``) the parameter or module ``name`` lies in (``""``: outside the
+    blocks)."""
     return next((u for u in units if u and (name == u or name.startswith(f"{u}."))), "")
 
 
@@ -149,7 +147,7 @@ def _named_view(path: str, module: nn.Module) -> nn.Module:
     return view
 
 
-def _tie(model: nn.Module) -> None:
+def tie(model: nn.Module) -> None:
     """A transformers model's tied parameters made one again (accelerate's ``init_empty_weights`` gives each name its
     own meta parameter; ``from_pretrained`` ties them after loading, as this does before)."""
     if callable(getattr(model, "tie_weights", None)):
@@ -164,97 +162,38 @@ def give_back_freed_memory() -> None:
     3072×3072 weights are 18 MiB) stay resident, and building FLUX.1-dev in float8 peaked above 20 GiB instead of
     its 14 GiB model (``python -m bench.real_size --cases flux_lora_fp8``). Trimming after each block keeps the
     peak at the model plus one block."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    """The C library, looked up once (``find_library`` runs ``ldconfig`` in a subprocess); None where there is none."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
+        return ctypes.CDLL(name) if name else None
     except OSError:
-        libc = None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+        return None
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, fill: Callable[[nn.Module], object], fp8: bool) -> nn.Module:
+def materialize(model: nn.Module, fill: Callable[[nn.Module], object]) -> nn.Module:
     """Fill ``model``, built on the meta device with its buffers real (accelerate's ``init_empty_weights``), block
-    by block, each block quantized (``fp8``) before the next is allocated: building Wan2.1-14B in bf16 so holds its
+    by block, each block quantized before the next is allocated: building Wan2.1-14B in bf16 so holds its
     float8 weights and one bf16 block (0.7 GB), never the 28.6 GB bf16 copy.
 
     ``fill(view)`` gives every meta parameter under ``view`` storage and values (``published.materialize`` with the
     model's seed); ``view`` names its modules by their paths in the whole model, so a fill that seeds each module by
     its name gives the values it gives the whole model at once: the result equals ``fill(model)`` followed by
     ``quantize``, bitwise. What lies outside the blocks is filled last."""
-    _tie(model)
+    tie(model)
     for path in blocks(model):
         fill(_named_view(path, model.get_submodule(path)))
-        if fp8:
-            quantize(model, only=path)
-            give_back_freed_memory()
+        quantize(model, only=path)
+        give_back_freed_memory()
     fill(model)
-    return model
-
-
-@torch.no_grad()
-def load(model: nn.Module, files: Sequence[str], fp8: bool, device: str = "cpu") -> nn.Module:
-    """Fill ``model``, built on the meta device with its buffers real and its parameters in their final dtypes
-    (``presets.build_model(..., weights="init")`` under accelerate's ``init_empty_weights(include_buffers=False)``),
-    from the safetensors ``files`` of a ``save_pretrained`` folder (``presets.weight_files``: one, or the shards its
-    index lists), one file and one tensor at a time: each tensor is read, converted to its parameter's dtype and
-    placed on ``device``; with ``fp8`` each block is quantized as soon as its last tensor has arrived. Host memory
-    peaks at the final model plus a tensor and the blocks still filling (save_pretrained writes blocks in order, so
-    about one), whatever the files' precision.
-
-    A parameter shared by two modules (tied embeddings) is filled once under either name; a parameter the files
-    lack stops with its name before anything is read; tensors of the files the model has no place for are
-    ignored, as ``presets.load_weights`` does."""
-    from safetensors import safe_open
-
-    _tie(model)
-    keys: dict[str, str] = {}  # tensor name -> its file
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            keys.update(dict.fromkeys(handle.keys(), file))
-    # every name of every parameter (tied ones have several), and which block each belongs to
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    source = {pid: next((n for n in candidates if n in keys), None) for pid, candidates in names.items()}
-    missing = [names[pid][0] for pid, key in source.items() if key is None and params[pid].is_meta]
-    if missing:
-        folder = os.path.dirname(files[0]) if files else ""
-        raise ValueError(f"{folder!r} lacks {len(missing)} weight(s) of the {type(model).__name__} its config builds, "
-                         f"e.g. {missing[:3]}: point `pretrained` at a folder save_pretrained wrote for this class")
-    units = _units(model)
-    pending: dict[str, int] = {}
-    by_key: dict[str, int] = {}
-    for pid, key in source.items():
-        if key is not None and params[pid].is_meta:
-            by_key[key] = pid
-            unit = _unit_of(names[pid][0], units)
-            pending[unit] = pending.get(unit, 0) + 1
-    buffers = dict(model.named_buffers())
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
-                if key in by_key:
-                    pid = by_key[key]
-                    old = params[pid]
-                    # copy=True: a tensor read from the file is a view of the file's whole memory map; one kept
-                    # (already in its dtype) would keep every page of the shard read so far resident
-                    value = handle.get_tensor(key).to(device=device, dtype=old.dtype, copy=True).view(old.shape)
-                    new = nn.Parameter(value, requires_grad=old.requires_grad)
-                    for name in names[pid]:
-                        owner, _, attr = name.rpartition(".")
-                        model.get_submodule(owner)._parameters[attr] = new
-                    unit = _unit_of(names[pid][0], units)
-                    pending[unit] -= 1
-                    if fp8 and unit and pending[unit] == 0:
-                        quantize(model, only=unit)
-                        give_back_freed_memory()
-                elif key in buffers:
-                    buffers[key].copy_(handle.get_tensor(key))  # copied into the buffer's own memory
     return model

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Container, Iterator, Literal, Mapping, Optional, Union
 
 import torch
 from diffusers import ModelMixin
@@ -160,7 +160,7 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             those attributes; ``add_lora``).
         device: ``"meta"``: nothing is read or allocated (shapes and dtypes only).
         fp8: the Linear layers of its blocks stored in float8, computed in ``dtype`` (``modules/models/fp8.py``),
-            before any LoRA adapter; stored weights stream in block by block (``fp8.load``), a published model's are
+            before any LoRA adapter; stored weights stream in block by block (``_streamed``), a published model's are
             drawn block by block (``fp8.materialize``), so no full-precision copy is held. Not on ``"meta"``.
     """
     spec = architecture(arch)
@@ -171,13 +171,13 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
     if published is not None and config is None:
         from posttrain.modules.models import published as catalog
 
-        config = catalog.config(published, arch, subfolder, preset, spec.codec)
+        config = _merged(spec, catalog.config(published, arch, subfolder), preset)
         if weights == "stored" and device is None:  # real size: built on meta, filled module by module
             with catalog.empty_weights():
                 model = cast(_from_config(spec.cls, config, preset=True), dtype)
             seed = catalog.seed_of(published, arch, subfolder)
             if fp8:  # each block stored in float8 as soon as it is filled
-                model = float8.materialize(model, lambda view: catalog.materialize(view, seed), fp8=True)
+                model = float8.materialize(model, lambda view: catalog.materialize(view, seed))
             else:
                 model = catalog.materialize(model, seed)
             return add_lora(model, lora) if lora is not None else model
@@ -191,10 +191,7 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             elif loads_weights(arch, pretrained, preset):
                 model = _from_config(spec.cls, _folder_config(arch, pretrained, subfolder))
             else:
-                merged = {**spec.preset, **(preset or {})}
-                if spec.codec is not None:  # a VAE whose config must follow its layers (Wan's scale factors)
-                    merged = spec.codec.preset(merged, dict(preset or {}))
-                model = _from_config(spec.cls, merged, preset=True)
+                model = _from_config(spec.cls, _merged(spec, spec.preset, preset), preset=True)
             model = cast(model, dtype)
             if fp8:
                 float8.quantize(model)
@@ -206,6 +203,15 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
             raise ValueError(f"the weights do not fit its class {spec.cls.__name__}: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     return model
+
+
+def _merged(spec: Architecture, base: Mapping[str, Any], preset: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The constructor config ``base`` (the tiny preset, a published component's) with the ``preset`` overrides; a
+    VAE's config then follows its layers (its codec: Wan's scale factors)."""
+    merged = {**base, **(preset or {})}
+    if spec.codec is not None:
+        merged = spec.codec.preset(merged, dict(preset or {}))
+    return merged
 
 
 def _from_pretrained(arch: str, pretrained: str | None, subfolder: str | None,
@@ -231,15 +237,63 @@ def _from_pretrained(arch: str, pretrained: str | None, subfolder: str | None,
         ) from err
 
 
+@torch.no_grad()
 def _streamed(arch: str, pretrained: str | None, subfolder: str | None, dtype: torch.dtype | None) -> torch.nn.Module:
     """The folder's weights with the Linear layers of each block in float8: built on the meta device from the
-    folder's config, then filled from its safetensors tensor by tensor, each block quantized as it completes
-    (``fp8.load``)."""
-    from accelerate import init_empty_weights
+    folder's config (``build_skeleton`` under ``published.empty_weights``), then filled from its safetensors
+    (``weight_files``: one, or the shards its index lists) one file and one tensor at a time: each tensor is read
+    and converted to its parameter's dtype, and each block is quantized as soon as its last tensor has arrived.
+    Host memory peaks at the final model plus a tensor and the blocks still filling (save_pretrained writes blocks
+    in order, so about one), whatever the files' precision.
 
-    with init_empty_weights(include_buffers=False):  # buffers real: rotary tables are computed from the config
-        model = build_model(arch, pretrained, subfolder, dtype=dtype, weights="init")
-    return float8.load(model, weight_files(weights_folder(arch, pretrained, subfolder)), fp8=True)
+    A parameter shared by two modules (tied embeddings) is filled once under either name; a parameter the files
+    lack stops with its name before anything is read; tensors of the files the model has no place for are
+    ignored, as ``load_weights`` does."""
+    from safetensors import safe_open
+
+    from posttrain.modules.models import published as catalog
+
+    with catalog.empty_weights():  # buffers real: rotary tables are computed from the config
+        model = build_skeleton(arch, pretrained, subfolder, dtype)
+    folder = weights_folder(arch, pretrained, subfolder)
+    files = weight_files(folder)
+    float8.tie(model)
+    keys: dict[str, str] = {}  # tensor name -> its file
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            keys.update(dict.fromkeys(handle.keys(), file))
+    params = {id(param): param for param in model.parameters()}
+    names, source = _tensor_sources(model, keys, folder, needed=lambda param: param.is_meta)
+    units = float8.units(model)
+    pending: dict[str, int] = {}  # unit -> its parameters still to read
+    by_key: dict[str, int] = {}
+    for pid, key in source.items():
+        if key is not None and params[pid].is_meta:
+            by_key[key] = pid
+            unit = float8.unit_of(names[pid][0], units)
+            pending[unit] = pending.get(unit, 0) + 1
+    buffers = dict(model.named_buffers())
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                if key in by_key:
+                    pid = by_key[key]
+                    old = params[pid]
+                    # copy=True: a tensor read from the file is a view of the file's whole memory map; one kept
+                    # (already in its dtype) would keep every page of the shard read so far resident
+                    value = handle.get_tensor(key).to(dtype=old.dtype, copy=True).view(old.shape)
+                    new = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+                    for name in names[pid]:
+                        owner, _, attr = name.rpartition(".")
+                        model.get_submodule(owner)._parameters[attr] = new
+                    unit = float8.unit_of(names[pid][0], units)
+                    pending[unit] -= 1
+                    if unit and pending[unit] == 0:
+                        float8.quantize(model, only=unit)
+                        float8.give_back_freed_memory()
+                elif key in buffers:
+                    buffers[key].copy_(handle.get_tensor(key))  # copied into the buffer's own memory
+    return model
 
 
 def _check_class(arch: str, pretrained: str, subfolder: str | None) -> None:
@@ -293,6 +347,31 @@ def add_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     return model
 
 
+def base_keys(model: torch.nn.Module, trains: Optional[torch.nn.Module] = None) -> set[str]:
+    """The state-dict keys of ``model``'s base, what its source builds and a checkpoint may leave out: every entry
+    but a LoRA adapter's layers (peft's ``LoraLayer.adapter_layer_names``) and the parameters that train in ``trains``
+    (``model`` itself unless given: a role's frozen copy names its expert)."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = set(LoraLayer.adapter_layer_names)
+    trained = {key for key, param in (trains or model).named_parameters() if param.requires_grad}
+    return {key for key in model.state_dict() if key not in trained and adapter.isdisjoint(key.split("."))}
+
+
+def load_onto_base(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """Load ``state`` into ``model``, built with its base from its source (a LoRA expert): the base's keys
+    (``base_keys``) may be missing, the model keeps its own; any other missing key, or an unexpected one, is
+    refused (ValueError) and nothing is loaded."""
+    expected, base = set(model.state_dict()), base_keys(model)
+    missing = sorted(key for key in expected if key not in state and key not in base)
+    unexpected = sorted(key for key in state if key not in expected)
+    if missing or unexpected:
+        raise ValueError(f"the weights do not fit the model its source builds: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    model.load_state_dict(dict(state), strict=False)
+    return model
+
+
 def weights_folder(arch: str, pretrained: str | None = None, subfolder: str | None = None) -> str:
     """The local folder ``build_model`` reads stored weights from (``pretrained`` + ``subfolder``, or the
     shipped asset), for an expert where ``loads_weights`` holds."""
@@ -343,15 +422,8 @@ def load_weights(model: torch.nn.Module, folder: str,
     with contextlib.ExitStack() as stack:  # each file opened once (memory-mapped), tensors read as needed
         handles = [stack.enter_context(safe_open(file, framework="pt")) for file in weight_files(folder)]
         where = {key: handle for handle in handles for key in handle.keys()}
-        names: dict[int, list[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        key = {pid: next((k for k in candidates if k in where), None) for pid, candidates in names.items()}
-        missing = [names[pid][0] for pid, k in key.items() if k is None]
-        if missing:  # decided on every process from the file listing, before any collective
-            raise ValueError(f"{folder!r} lacks {len(missing)} weight(s) of the {type(model).__name__} its config "
-                             f"builds, e.g. {missing[:3]}: point `pretrained` at a folder save_pretrained wrote for "
-                             f"this class")
+        # a missing weight is decided on every process from the file listing, before any collective
+        _, key = _tensor_sources(model, where, folder)
         for prefix, module in model.named_modules():
             params = list(module.parameters(recurse=False))
             if params:
@@ -363,6 +435,25 @@ def load_weights(model: torch.nn.Module, folder: str,
                 name = f"{prefix}.{name}" if prefix else name
                 if name in where:
                     buffer.copy_(where[name].get_tensor(name))
+
+
+def _tensor_sources(model: torch.nn.Module, keys: Container[str], folder: str,
+                    needed: Callable[[torch.nn.Parameter], bool] = lambda param: True
+                    ) -> tuple[dict[int, list[str]], dict[int, Optional[str]]]:
+    """Where the tensors of a weights folder (``keys``: their names) hold ``model``'s parameters: every name of each
+    parameter by its id (a tied one has several) and the first of them ``keys`` holds (None: none). A ``needed``
+    parameter the files lack stops with its name, before anything is read."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    source = {pid: next((n for n in candidates if n in keys), None) for pid, candidates in names.items()}
+    missing = [names[pid][0] for pid, key in source.items() if key is None and needed(params[pid])]
+    if missing:
+        raise ValueError(f"{folder!r} lacks {len(missing)} weight(s) of the {type(model).__name__} its config builds, "
+                         f"e.g. {missing[:3]}: point `pretrained` at a folder save_pretrained wrote for this class")
+    return names, source
 
 
 @contextlib.contextmanager

@@ -177,15 +177,11 @@ def component(name: str, arch: str, subfolder: Optional[str] = None) -> str:
                      f"expert's `subfolder`")
 
 
-def config(name: str, arch: str, subfolder: Optional[str] = None,
-           preset: Optional[Mapping[str, Any]] = None, codec: Any = None) -> dict[str, Any]:
-    """The constructor config of the component of ``name`` an expert of ``arch`` builds, with ``preset`` overrides
-    (e.g. ``{num_layers: 1}``: the published widths with one block); ``codec``: the arch's VAE codec, whose config
-    must follow its layers (Wan's scale factors)."""
-    merged = {**published(name).components[component(name, arch, subfolder)][1], **(preset or {})}
-    if codec is not None and preset:
-        merged = codec.preset(merged, dict(preset))
-    return merged
+def config(name: str, arch: str, subfolder: Optional[str] = None) -> dict[str, Any]:
+    """The constructor config of the component of ``name`` an expert of ``arch`` builds (``presets.build_model``
+    merges an expert's ``preset`` overrides into it, e.g. ``{num_layers: 1}``: the published widths with one
+    block)."""
+    return dict(published(name).components[component(name, arch, subfolder)][1])
 
 
 def seed_of(name: str, arch: str, subfolder: Optional[str] = None) -> str:

@@ -32,13 +32,16 @@ class SyncPlan:
     _resolved: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     def pairs(self, source: torch.nn.Module, target: torch.nn.Module) -> tuple[list[tuple], int]:
-        """(target, source) tensors by name, parameters then floating-point buffers, and how many are
-        parameters; resolved once per pair of modules (not by walking both every iteration), again when the card
-        holds other modules (the cache keeps them alive, so a module's identity cannot be reused)."""
+        """(target, source) tensors by name, the parameters that train in the source then floating-point buffers,
+        and how many are parameters; resolved once per pair of modules (not by walking both every iteration), again
+        when the card holds other modules (the cache keeps them alive, so a module's identity cannot be reused).
+
+        A parameter frozen in the source is left out: the target was copied from the source (``card.add_role``) and
+        neither changes it since, so the two are equal and a blend would leave them so, bit for bit. That is a LoRA
+        expert's whole base, and the float8 weights a role shares with its expert (``fp8.shared``)."""
         if self._resolved is None or self._resolved[0] is not source or self._resolved[1] is not target:
             src = dict(source.named_parameters())
-            # a tensor the two share (a role's float8 weights, fp8.shared) is in sync already
-            pairs = [(p, src[name]) for name, p in target.named_parameters() if p is not src[name]]
+            pairs = [(p, src[name]) for name, p in target.named_parameters() if src[name].requires_grad]
             params = len(pairs)
             src_buffers = dict(source.named_buffers())
             pairs += [(b, src_buffers[name]) for name, b in target.named_buffers() if b.is_floating_point()]

@@ -10,6 +10,7 @@ import torch
 
 from posttrain.modules.rewards.base import Reward, RewardOutput, prompts_for_scoring
 from posttrain.modules.world.geneval import judge
+from posttrain.modules.world.requests import all_asked_right, share_of_asked_right
 from posttrain.modules.world.world import MOTIONS  # (dx, dy) of each direction, in frame fractions
 
 # The palette of the synthetic shape videos (``posttrain.datamodules.synthetic.COLOURS``, RGB in [0, 1]). A copy,
@@ -100,11 +101,7 @@ class SyntheticGenEvalReward(Reward):
     def combine(self, verdicts: dict[str, torch.Tensor]) -> RewardOutput:
         """The total (``mean`` of the facts asked, or ``all`` shown) and one term per fact (0 where not asked)."""
         table = torch.stack(list(verdicts.values()), dim=1)  # (B, 4): 1 shown, 0 not, NaN not asked
-        asked = ~table.isnan()
-        if self.total == "mean":
-            total = table.nan_to_num(0.0).sum(1) / asked.sum(1)
-        else:
-            total = (table.nan_to_num(1.0) == 1).all(1).float()
+        total = share_of_asked_right(table) if self.total == "mean" else all_asked_right(table).float()
         return RewardOutput(total, {fact: v.nan_to_num(0.0) for fact, v in verdicts.items()})
 
 

@@ -357,8 +357,6 @@ def facts_from_batch(batch: dict) -> list[Facts]:
     return [Facts(**{f: (batch[f][b] or None) for f in FACTS}) for b in range(len(batch[FACTS[0]]))]
 
 
-
-
 # ------------------------------------------------------------------------------------------------ refining
 @torch.no_grad()
 def refine(model: torch.nn.Module, tokenizer, requests: Sequence[str], template: str = REWRITE_TEMPLATE,
@@ -407,6 +405,23 @@ def rewrite_verdicts(rewrites: Sequence[str], asked: Sequence[Facts],
     return verdicts
 
 
+def all_asked_right(table: torch.Tensor) -> torch.Tensor:
+    """(B,) bool of a (B, facts) verdict table (1 / 0 / NaN where the fact is not asked): every asked fact right."""
+    return (table.nan_to_num(1.0) == 1).all(1)
+
+
+def share_of_asked_right(table: torch.Tensor) -> torch.Tensor:
+    """(B,) the share of the asked facts right of a (B, facts) verdict table (0 where none is asked)."""
+    return table.nan_to_num(0.0).sum(1) / (~table.isnan()).sum(1).clamp(min=1)
+
+
+def faithful_rows(served: Sequence[str], asked: Sequence[Facts]) -> torch.Tensor:
+    """(B,) bool: the served prompt names every fact its request asked, read as the generator's captions are
+    (``rewrite_verdicts``; a fact the request leaves out may be named or not)."""
+    verdicts = rewrite_verdicts(served, asked)
+    return all_asked_right(torch.stack([verdicts[f] for f in FACTS], dim=1))
+
+
 def accuracy(verdicts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per fact, the share right among the samples asking it (NaN when none does); ``all``, the share of the
     samples asking any fact that get every fact they ask right; ``n``, how many those are. ``verdicts``:
@@ -416,6 +431,6 @@ def accuracy(verdicts: dict[str, torch.Tensor]) -> dict[str, float]:
     scores = {f: round(float(table[asked[:, i], i].mean()), 3) if asked[:, i].any() else float("nan")
               for i, f in enumerate(FACTS)}
     rows = asked.any(1)
-    scores["all"] = round(float((table[rows].nan_to_num(1.0) == 1).all(1).double().mean()), 3)
+    scores["all"] = round(float(all_asked_right(table[rows]).double().mean()), 3)
     scores["n"] = int(rows.sum())
     return scores

@@ -148,7 +148,7 @@ class GeneratorStage:
         """The low-noise expert of a pair (``<transformer>_2``, diffusers' ``transformer_2``); None for one
         generator."""
         name = f"{self.transformer}_2"
-        return name if getattr(self.card, "boundary_ratio", None) is not None and self.card.has(name) else None
+        return name if self.card.boundary_ratio is not None and self.card.has(name) else None
 
     @property
     def generators(self) -> tuple[str, ...]:
@@ -159,7 +159,7 @@ class GeneratorStage:
     def boundary_timestep(self) -> Optional[float]:
         """``boundary_ratio · num_train_timesteps`` (``WanPipeline``): the high-noise expert of a pair runs where
         t >= it; None on a card without a pair."""
-        ratio = getattr(self.card, "boundary_ratio", None)
+        ratio = self.card.boundary_ratio
         return None if ratio is None else ratio * self.num_train_timesteps
 
     def pair_of(self, name: str) -> Optional[tuple[str, str]]:
@@ -168,9 +168,9 @@ class GeneratorStage:
         of either expert of a pair (``transformer_reference``, ``transformer_2_old``) each expert's copy in that role
         where the card has one, else the expert (a frozen expert is its own reference). None where ``name`` runs
         alone (one generator, ``transformer_2`` named on its own, a critic)."""
-        if getattr(self.card, "boundary_ratio", None) is None:
+        if self.card.boundary_ratio is None:
             return None
-        of, role = getattr(self.card, "roles", {}).get(name, (name, None))
+        of, role = self.card.roles.get(name, (name, None))
         if self.card.has(f"{of}_2") and of in self.card.specs:
             pair = (of, f"{of}_2")
         elif role is not None and of.endswith("_2") and of[:-2] in self.card.specs:
@@ -208,8 +208,7 @@ class GeneratorStage:
         if arch is None:
             return problems
         if self.transformer_2 is not None:  # the low-noise expert is driven like the high-noise one
-            spec = self.card.specs[self.transformer_2]
-            problems += self.peer_problems(self.transformer_2, "the low-noise expert", spec.trainable)
+            problems += self.peer_problems(self.transformer_2, "the low-noise expert")
         wanted = self.adapter.text_encoders
         if len(self.encoders) != len(wanted):
             problems.append(f"{type(self.adapter).__name__} ({self.transformer!r}) reads {len(wanted)} text encoders "
@@ -221,9 +220,9 @@ class GeneratorStage:
         archs = [self.card.specs[n].arch for n in self.encoders if n in self.card.specs]
         return problems + self.adapter.text_encoder_problems(self, archs)
 
-    def peer_problems(self, name: str, role: str, trainable: bool, hint: str = "") -> list[str]:
+    def peer_problems(self, name: str, role: str, trainable: Optional[bool] = None, hint: str = "") -> list[str]:
         """Problems of another generator this stage runs by name (a teacher, a critic): on the card, driven by
-        the same adapter as the stage's transformer, and trainable or frozen as the method needs."""
+        the same adapter as the stage's transformer, and trainable or frozen as the method needs (None: either)."""
         spec = self.card.specs.get(name)
         if spec is None:
             return [f"the card has no {name!r} ({role}){hint}"]
@@ -232,9 +231,9 @@ class GeneratorStage:
         if spec.arch not in ADAPTERS or (own in ADAPTERS and ADAPTERS[spec.arch] is not ADAPTERS[own]):
             problems.append(f"{name!r} ({role}) has arch {spec.arch!r}; it must be a generator run like "
                             f"{self.transformer!r} ({own!r})")
-        if trainable and not spec.trainable:
+        if trainable is True and not spec.trainable:
             problems.append(f"{name!r} ({role}) trains: set `trainable: true` and give it an optimizer")
-        if not trainable and spec.trainable:
+        if trainable is False and spec.trainable:
             problems.append(f"{name!r} ({role}) must be frozen: set `trainable: false` and drop its optimizer")
         return problems
 

@@ -35,6 +35,8 @@ class Card(Protocol):
     specs: Mapping[str, Any]  # expert name -> ``Expert`` (its ``arch``)
     tokenizers: Mapping[str, Any]
     text_max_length: int
+    boundary_ratio: Optional[float]  # where a pair of noise experts hands over; None: one generator
+    roles: Mapping[str, tuple[str, str]]  # role component name -> (source expert, role)
 
     def __getitem__(self, name: str) -> torch.nn.Module: ...
 

@@ -1,0 +1,85 @@
+"""Frozen modules kept in host memory between calls (``ModelCard.park``): each call brings the weights to the device
+and drops them after, whatever moves the module's parent."""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+
+class Parked:
+    """A frozen module whose weights live in host memory between calls: each call copies them to ``device`` (and
+    the call's tensor arguments there), runs, hands its output back on the device the caller's first tensor came
+    from, and drops the device copy, pointing the module back at the host copy (the weights are frozen: nothing
+    to copy back). Host copies are pinned on CUDA, so the copy runs at the link's speed. ``calls`` counts the
+    calls that brought it to the device."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.device = torch.device(device)
+        self.tensors = [*module.parameters(), *module.buffers()]
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.host = [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in self.tensors]
+        self.calls = 0
+        self._held = False
+        self._home()
+        module.register_forward_pre_hook(self._to_device, with_kwargs=True)
+        module.register_forward_hook(self._back, always_call=True)
+        # the module stays where it is parked when its parent moves (Lightning's `model.to(device)`)
+        for sub in module.modules():
+            sub._apply = functools.partial(_kept, sub)
+
+    def _home(self) -> None:
+        for tensor, host in zip(self.tensors, self.host):
+            tensor.data = host
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """On ``device`` for the whole block (many calls, one copy)."""
+        for tensor, host in zip(self.tensors, self.host):
+            tensor.data = host.to(self.device)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            self._home()
+
+    def _to_device(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if self._held:
+            return None
+        self.calls += 1
+        self._caller = next((x.device for x in (*args, *kwargs.values()) if torch.is_tensor(x)), self.device)
+        for tensor, host in zip(self.tensors, self.host):
+            tensor.data = host.to(self.device, non_blocking=True)
+        # top-level tensors only: a list argument may be state the module fills in place (a VAE's feature cache)
+        move = lambda x: x.to(self.device) if torch.is_tensor(x) else x  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    def _back(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self._held:
+            return output
+        self._home()
+        if isinstance(output, dict):  # a transformers ModelOutput: set in place (it keeps its attributes in step)
+            for key, value in output.items():
+                output[key] = _moved(value, self._caller)
+            return output
+        return _moved(output, self._caller)
+
+
+def _kept(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` of a parked module: nothing moves it (``Parked`` does)."""
+    return module
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors (at any depth of tuples, lists and dicts) on ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
