@@ -21,6 +21,10 @@ folder run by ``WanPipeline`` reproduces ``predict`` from the same noise.
   in float32 from the call's ``rng``). ``exit_step=k`` stops at step k and returns its x̂0 = x - σ_k·v:
   steps before k run under ``no_grad``, step k keeps the caller's grad (DMD2's backward simulation,
   Self-Forcing's exit step).
+- Clean latents (``CleanLatents``, from the generator adapter): entries held at given values from the noise to
+  the sample — Wan 2.2 TI2V's image-to-video keeps its first latent frame at the image's latents
+  (``WanImageToVideoPipeline`` with ``expand_timesteps``). Every step writes them back; an SDE step draws no noise
+  there and its log-probability is the density of the other entries.
 - Block-causal students (Self-Forcing): ``chunk_frames`` latent frames at a time, each chunk denoised
   through the whole step list while attending to the finished chunks in a KV cache, then re-run once at
   σ = 0 without grad to store its keys/values (Self-Forcing ``pipeline/self_forcing_training.py``).
@@ -81,11 +85,47 @@ def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, std) -> torch.
     return x.float() * (1 + std**2 * dt / (2 * s)) + v.float() * (1 + std**2 * (1 - s) / (2 * s)) * dt
 
 
-def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(B,) mean over non-batch dims of log N(x_next; mean, scale²), with ``scale`` = std·sqrt(-dt)."""
+def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
+                      free: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B,) mean over non-batch dims of log N(x_next; mean, scale²), with ``scale`` = std·sqrt(-dt); with ``free``
+    (bool, broadcastable to ``mean``) the mean over the entries where it is True only (clean entries are no random
+    variable of the step)."""
     scale = _bcast(scale, mean)
     lp = -((x_next.float() - mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
-    return lp.mean(dim=tuple(range(1, lp.ndim)))
+    dims = tuple(range(1, lp.ndim))
+    if free is None:
+        return lp.mean(dim=dims)
+    weight = free.to(lp.device, lp.dtype).expand_as(lp)
+    return (lp * weight).sum(dim=dims) / weight.sum(dim=dims)
+
+
+@dataclass
+class CleanLatents:
+    """Latents a sampling call holds clean: where ``mask`` is True, x is ``latents`` at every σ, from the noise to
+    the sample (Wan 2.2 TI2V's image-to-video: the first latent frame is the image's, ``WanImageToVideoPipeline``
+    with ``expand_timesteps``). The generator adapter gives them (``GeneratorAdapter.clean_latents``).
+
+    Args:
+        mask: bool, broadcastable to x (B, C, F, H, W): (1, 1, F, 1, 1) True on the first frame.
+        latents: (B, C, F or 1, H, W), broadcast against x where ``mask`` holds.
+    """
+
+    mask: torch.Tensor
+    latents: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x with the clean entries written in."""
+        return torch.where(self.mask.to(x.device), self.latents.to(x.device, x.dtype), x)
+
+    def select(self, index: Optional[torch.Tensor]) -> "CleanLatents":
+        """The rows ``index`` (a per-row tensor keeps its rows, a shared one (first dimension 1) stays)."""
+        if index is None:
+            return self
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t if t.shape[0] == 1 else t[index.to(t.device)]
+
+        return CleanLatents(rows(self.mask), rows(self.latents))
 
 
 @dataclass
@@ -98,8 +138,10 @@ class SDEStep:
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
              sigma_cap: float, x_next: Optional[torch.Tensor] = None,
-             rng: Optional[torch.Generator] = None) -> SDEStep:
-    """One Flow-GRPO SDE step. With ``x_next`` given, only its log-probability is computed (PPO recompute)."""
+             rng: Optional[torch.Generator] = None, clean: Optional[CleanLatents] = None) -> SDEStep:
+    """One Flow-GRPO SDE step. With ``x_next`` given, only its log-probability is computed (PPO recompute). With
+    ``clean``, the clean entries of the mean and of x_next are their clean values (no noise lands there, a KL of
+    means is 0 there) and the log-probability is over the other entries."""
     sigma = sigma.float().to(x.device)
     sigma_next = sigma_next.float().to(x.device)
     std = sde_std(sigma, noise_level, sigma_cap)
@@ -108,7 +150,11 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     if x_next is None:
         noise = torch.randn(mean.shape, generator=rng, device="cpu" if rng is None else rng.device)
         x_next = mean + _bcast(scale, mean) * noise.to(mean.device)
-    return SDEStep(x_next=x_next, log_prob=gaussian_log_prob(x_next, mean, scale), mean=mean, std=std)
+    if clean is None:
+        return SDEStep(x_next=x_next, log_prob=gaussian_log_prob(x_next, mean, scale), mean=mean, std=std)
+    mean, x_next = clean.apply(mean), clean.apply(x_next)
+    free = ~clean.mask.to(mean.device)
+    return SDEStep(x_next=x_next, log_prob=gaussian_log_prob(x_next, mean, scale, free), mean=mean, std=std)
 
 
 def ml_velocity(x: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next, noise_level: float,
@@ -177,6 +223,7 @@ class Trajectory:
     log_probs: Optional[torch.Tensor] = None  # (T, B) log p of each SDE step (0 for ODE steps)
     sde_mask: Optional[torch.Tensor] = None  # (T,) bool, which steps were stochastic
     sigma_cap: float = 0.0
+    clean: Optional[CleanLatents] = None  # the entries held clean (an image-to-video model's first frame)
 
 
 def _cat(a: Union[Conditioning, torch.Tensor], b: Union[Conditioning, torch.Tensor]):
@@ -327,14 +374,16 @@ class FlowMatchSampler:
 
     def sample(self, model: VelocityFn, noise: torch.Tensor, cond, uncond=None, sde: bool = False,
                capture: bool = False, rng: Optional[torch.Generator] = None, schedule: Optional[Schedule] = None,
-               exit_step: Optional[int] = None, kv_cache: Any = None) -> Trajectory:
+               exit_step: Optional[int] = None, kv_cache: Any = None,
+               clean: Optional[CleanLatents] = None) -> Trajectory:
         """Denoise ``noise`` (B, C, F, H, W) from σ = 1 to 0. ``sde=True`` is the RL rollout.
 
         ``schedule`` is the prepared grid (the generator adapter's ``schedule``); None = this sampler's
         plain ``schedule()``. ``rng`` draws the SDE noise and the re-noise rule's fresh noise.
         ``exit_step=k``: stop at step k and return its x̂0 (steps before k under ``no_grad``, step k with the
         caller's grad). With ``chunk_frames`` set, ``kv_cache`` is the causal model's empty cache (the
-        generator stage makes one) and ``model`` takes ``kv_cache``/``update_cache`` keywords.
+        generator stage makes one) and ``model`` takes ``kv_cache``/``update_cache`` keywords. ``clean``: entries
+        held at given values at every step (``CleanLatents``; the generator stage asks its adapter).
         """
         if sde and not self.euler:
             raise ValueError(f"sampler: SDE rollouts need FlowMatchEulerDiscreteScheduler, got "
@@ -346,7 +395,10 @@ class FlowMatchSampler:
             raise ValueError("sampler: exit_step returns one x̂0 with grad; it does not combine with sde/capture")
         schedule = schedule or self.schedule(noise.device)
         if self.chunk_frames is None:
-            return self._denoise(model, noise, cond, uncond, sde, capture, rng, schedule, exit_step)
+            return self._denoise(model, noise, cond, uncond, sde, capture, rng, schedule, exit_step, clean)
+        if clean is not None:
+            raise ValueError("sampler: chunked sampling (chunk_frames) holds no clean latents; an image-to-video "
+                             "generator samples the whole video in one pass (chunk_frames: null)")
 
         # Block-causal: chunk by chunk, each attending to the finished chunks through the KV cache
         # (Self-Forcing ``pipeline/self_forcing_training.py``; CausVid's ``inference.py``).
@@ -383,12 +435,14 @@ class FlowMatchSampler:
                           sde_mask=torch.zeros(self.num_steps, dtype=torch.bool), sigma_cap=schedule.sigma_cap)
 
     def _denoise(self, model: VelocityFn, noise: torch.Tensor, cond, uncond, sde: bool, capture: bool,
-                 rng: Optional[torch.Generator], schedule: Schedule, exit_step: Optional[int]) -> Trajectory:
-        """The step loop over ``schedule`` (one chunk, or the whole video)."""
+                 rng: Optional[torch.Generator], schedule: Schedule, exit_step: Optional[int],
+                 clean: Optional[CleanLatents] = None) -> Trajectory:
+        """The step loop over ``schedule`` (one chunk, or the whole video); ``clean`` entries written back at
+        every σ."""
         sigmas, timesteps = schedule.sigmas, schedule.timesteps
         sde_mask = self.sde_steps() if sde else torch.zeros(self.num_steps, dtype=torch.bool)
         last = self.num_steps - 1 if exit_step is None else exit_step
-        x = noise.float()
+        x = noise.float() if clean is None else clean.apply(noise.float())
         xs, log_probs = [x], []
         for i in range(last + 1):
             sigma, sigma_next = sigmas[i], sigmas[i + 1]
@@ -398,11 +452,12 @@ class FlowMatchSampler:
                 v = self.velocity(model, x, timesteps[i], cond, uncond)
                 if i == exit_step:  # 2'. the exit step returns its x̂0 = x - σ·v (with grad)
                     x = x - _bcast(sigma, x) * v
+                    x = x if clean is None else clean.apply(x)
                     break
                 # 2. move to σ_next: SDE step with its log-probability, or the ODE / re-noise step
                 if sde_mask[i]:
                     step = sde_step(x, v, sigma, sigma_next, self.noise_level, schedule.sigma_cap,
-                                    rng=rng)
+                                    rng=rng, clean=clean)
                     x, lp = step.x_next, step.log_prob
                 else:
                     if self.euler:
@@ -411,6 +466,7 @@ class FlowMatchSampler:
                         x = renoise_step(x, v, sigma, sigma_next, rng)
                     else:
                         x = schedule.scheduler.step(v, timesteps[i], x, return_dict=False)[0].float()
+                    x = x if clean is None else clean.apply(x)
                     lp = torch.zeros(x.shape[0], device=x.device)
             if capture:
                 xs.append(x)
@@ -419,7 +475,7 @@ class FlowMatchSampler:
             latents=x, sigmas=sigmas, timesteps=timesteps,
             xs=torch.stack(xs) if capture else None,
             log_probs=torch.stack(log_probs) if capture else None,
-            sde_mask=sde_mask, sigma_cap=schedule.sigma_cap,
+            sde_mask=sde_mask, sigma_cap=schedule.sigma_cap, clean=clean,
         )
 
     def step_log_prob(self, model: VelocityFn, traj: Trajectory, i: int, cond, uncond=None,
@@ -435,4 +491,6 @@ class FlowMatchSampler:
         if index is not None:
             x, x_next = x[index], x_next[index]
         v = self.velocity(model, x, traj.timesteps[i], cond, uncond)
-        return sde_step(x, v, traj.sigmas[i], traj.sigmas[i + 1], self.noise_level, traj.sigma_cap, x_next=x_next)
+        clean = None if traj.clean is None else traj.clean.select(index)
+        return sde_step(x, v, traj.sigmas[i], traj.sigmas[i + 1], self.noise_level, traj.sigma_cap, x_next=x_next,
+                        clean=clean)

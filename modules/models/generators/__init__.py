@@ -324,8 +324,10 @@ class GeneratorStage:
         schedule = self.schedule(sampler, tuple(noise.shape[1:]), noise.device)
         if sampler.chunk_frames is not None:
             kwargs["kv_cache"] = self.new_cache(name)
+        clean = self.adapter.clean_latents(cond, tuple(noise.shape[1:]))  # an image-to-video model's first frame
         with torch.no_grad() if exit_step is None else contextlib.nullcontext(), self.velocity(name) as fn:
-            return sampler.sample(fn, noise, cond, uncond, schedule=schedule, exit_step=exit_step, **kwargs)
+            return sampler.sample(fn, noise, cond, uncond, schedule=schedule, exit_step=exit_step, clean=clean,
+                                  **kwargs)
 
     # ------------------------------------------------------------------ pixels
     @torch.no_grad()

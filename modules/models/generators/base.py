@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Pr
 import torch
 
 from posttrain.modules.flow.conditioning import Conditioning
-from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.flow.samplers import CleanLatents, FlowMatchSampler
 
 # ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model uses this
 # vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them; their width is TEXT_DIM, which
@@ -288,6 +288,11 @@ class GeneratorAdapter:
                  cond: Conditioning, **model_kwargs) -> torch.Tensor:
         """``model_kwargs``: what a block-causal transformer takes besides (``kv_cache``, ``update_cache``)."""
         raise NotImplementedError
+
+    def clean_latents(self, cond: Conditioning, latent_shape: tuple[int, ...]) -> Optional[CleanLatents]:
+        """Latents the sampler holds clean at every step for ``cond`` and latents of ``latent_shape`` (C, F', h, w):
+        an image-to-video model whose first latent frame is the image's (Wan 2.2 TI2V). None: none."""
+        return None
 
     def new_cache(self, transformer: torch.nn.Module):
         """An empty KV cache of a block-causal ``transformer`` (chunked sampling); None if it has none."""
