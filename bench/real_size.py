@@ -20,8 +20,11 @@ random (the VAE is not run). Every case runs in its own process; it prints:
 
 Cases: ``wan1.3b_full`` (Wan2.1-T2V-1.3B full finetune, bf16 weights and AdamW state), ``wan1.3b_lora`` (bf16
 base, LoRA rank 32 in float32), ``wan14b_lora_fp8`` (Wan2.1-T2V-14B, LoRA on an fp8 base: ``Expert.fp8``),
-``flux_lora_fp8`` (FLUX.1-dev, LoRA on an fp8 base, one 128×128 image). Wan trains on 5 frames × 64×64 (latents
-2×8×8, 32 tokens), FLUX on 128×128 (16×16 latents, 64 packed tokens), 512 text tokens each.
+``wan5b_ti2v_lora`` (Wan2.2-TI2V-5B, bf16 base, LoRA rank 32, text-to-video: 5 frames × 128×128 through its 16x
+VAE, latents 2×8×8, 32 tokens), ``flux_lora_fp8`` (FLUX.1-dev, LoRA on an fp8 base, one 128×128 image),
+``qwen_image_lora_fp8`` (Qwen-Image, LoRA on an fp8 base, one 128×128 image, its text under a mask). Wan trains on
+5 frames × 64×64 (latents 2×8×8, 32 tokens), FLUX and Qwen-Image on 128×128 (16×16 latents, 64 packed tokens), 512
+text tokens each.
 
     python -m bench.real_size --cases wan1.3b_lora               # ~3.5 GiB RSS on the CPU
     python -m bench.real_size --layers 1                         # every case, published widths, one block each
@@ -73,10 +76,15 @@ class Case:
     text_length: int = 512
     note: str = ""
     pretrained: Optional[str] = None  # a diffusers folder whose `transformer` to train instead of random weights
+    vae: str = "wan_vae"  # the published VAE's arch, and its spatial compression (the latents' h, w)
+    spatial: int = 8
 
 
 LORA = dict(rank=32, alpha=32.0, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"])
 FLUX_LORA = dict(rank=32, alpha=32.0, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+QWEN_IMAGE_LORA = dict(rank=32, alpha=32.0, target_modules=[  # configs/recipes/qwen_image_lora.yaml's
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "img_mlp.net.0.proj",
+    "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"])
 CASES = {
     "wan1.3b_full": Case("Wan2.1-T2V-1.3B", "wan_t2v", lora=False, fp8=False, frames=5, height=64, width=64,
                          layer_keys=("num_layers",), note="full finetune, bf16 weights and AdamW state"),
@@ -84,8 +92,14 @@ CASES = {
                          layer_keys=("num_layers",), note="LoRA rank 32, bf16 base"),
     "wan14b_lora_fp8": Case("Wan2.1-T2V-14B", "wan_t2v", lora=True, fp8=True, frames=5, height=64, width=64,
                             layer_keys=("num_layers",), note="LoRA rank 32, fp8 base, cached text embeddings"),
+    "wan5b_ti2v_lora": Case("Wan2.2-TI2V-5B", "wan22_ti2v", lora=True, fp8=False, frames=5, height=128, width=128,
+                            layer_keys=("num_layers",), vae="wan22_vae", spatial=16,
+                            note="LoRA rank 32, bf16 base, one timestep per token"),
     "flux_lora_fp8": Case("FLUX.1-dev", "flux", lora=True, fp8=True, frames=1, height=128, width=128,
                           layer_keys=("num_layers", "num_single_layers"), note="LoRA rank 32, fp8 base, one image"),
+    "qwen_image_lora_fp8": Case("Qwen-Image", "qwen_image", lora=True, fp8=True, frames=1, height=128, width=128,
+                                layer_keys=("num_layers",), vae="qwen_image_vae",
+                                note="LoRA rank 32, fp8 base, one image, masked text"),
 }
 
 
@@ -98,7 +112,7 @@ def expert_settings(case: Case, layers: Optional[int], checkpointing: bool = Tru
     if layers is not None:
         settings["preset"] = {key: layers for key in case.layer_keys}
     if case.lora:
-        settings["lora"] = FLUX_LORA if case.arch == "flux" else LORA
+        settings["lora"] = {"flux": FLUX_LORA, "qwen_image": QWEN_IMAGE_LORA}.get(case.arch, LORA)
     if case.fp8:
         settings["fp8"] = True
     return settings
@@ -134,14 +148,20 @@ def batch(case: Case, model: torch.nn.Module, device: str, g: torch.Generator):
         shape = (16, 1, case.height // 8, case.width // 8)
         cond = dict(encoder_hidden_states=(case.text_length, config.joint_attention_dim),
                     pooled_projections=(config.pooled_projection_dim,))
-    else:  # Wan 2.1's VAE: 8x spatial, 4x temporal; UMT5 rows
-        shape = (config.out_channels, (case.frames - 1) // 4 + 1, case.height // 8, case.width // 8)
+    elif case.arch == "qwen_image":  # 8x VAE, 16 channels, one frame; Qwen2.5-VL rows (their mask below)
+        shape = (16, 1, case.height // 8, case.width // 8)
+        cond = dict(encoder_hidden_states=(case.text_length, config.joint_attention_dim))
+    else:  # Wan's VAE: 8x spatial (Wan 2.2's: 16x), 4x temporal; UMT5 rows
+        shape = (config.out_channels, (case.frames - 1) // 4 + 1, case.height // case.spatial,
+                 case.width // case.spatial)
         cond = dict(encoder_hidden_states=(case.text_length, config.text_dim))
     x0 = torch.randn((1, *shape), generator=g).to(device)
     noise = torch.randn(x0.shape, generator=g).to(device)
     conditioning = {name: torch.randn((1, *s), generator=g).to(device, torch.bfloat16) for name, s in cond.items()}
     if getattr(config, "guidance_embeds", False):
         conditioning["guidance"] = torch.full((1,), 3.5, device=device)
+    if case.arch == "qwen_image":  # every text token valid: the longest prompt of encode_prompt's batch
+        conditioning["encoder_hidden_states_mask"] = torch.ones((1, case.text_length), dtype=torch.long, device=device)
     return x0, noise, sample_sigmas(1, "logit_normal", g).to(device), Conditioning(conditioning)
 
 
@@ -232,9 +252,12 @@ def estimate_config(case: Case, layers: Optional[int], folder: str, checkpointin
         encoders = {"text_encoder": {"arch": "clip", "preset": {"hidden_size": 768, "projection_dim": 768}},
                     "text_encoder_2": {"arch": "t5", "preset": {"d_model": 4096}},
                     "vae": {"arch": "vae_kl", "published": case.published}}
+    elif case.arch == "qwen_image":  # built on the meta device only
+        encoders = {"text_encoder": {"arch": "qwen2_5_vl", "published": case.published},
+                    "vae": {"arch": case.vae, "published": case.published}}
     else:
         encoders = {"text_encoder": {"arch": "umt5", "preset": {"d_model": 4096}},
-                    "vae": {"arch": "wan_vae", "published": case.published}}
+                    "vae": {"arch": case.vae, "published": case.published}}
     config = {
         "trainer": {"accelerator": "cpu", "devices": 1, "precision": "bf16-mixed", "max_steps": 1},
         "model": {"class_path": "posttrain.lit.Finetune", "init_args": {

@@ -40,6 +40,9 @@ COUNTS = {
     ("Wan2.2-T2V-A14B", "transformer_2"): 14_288_491_584,
     ("Wan2.2-T2V-A14B", "vae"): 126_892_531,
     ("Wan2.2-T2V-A14B", "text_encoder"): 5_680_910_336,
+    ("Wan2.2-TI2V-5B", "transformer"): 4_999_787_712,  # "5B"
+    ("Wan2.2-TI2V-5B", "vae"): 704_688_668,  # the Wan 2.2 VAE (48 latent channels)
+    ("Wan2.2-TI2V-5B", "text_encoder"): 5_680_910_336,
     ("FLUX.1-dev", "transformer"): 11_901_408_320,
     ("FLUX.1-dev", "vae"): 83_819_683,
     ("FLUX.1-dev", "text_encoder"): 123_060_480,
@@ -50,6 +53,9 @@ COUNTS = {
     ("SD3.5-medium", "text_encoder_2"): 694_659_840,
     ("SD3.5-medium", "text_encoder_3"): 4_762_310_656,
     ("Qwen2.5-0.5B-Instruct", ""): 494_032_768,
+    ("Qwen-Image", "transformer"): 20_430_401_088,  # "20B"
+    ("Qwen-Image", "vae"): 126_892_531,  # Wan 2.1's VAE layout
+    ("Qwen-Image", "text_encoder"): 8_292_166_656,  # Qwen2.5-VL-7B-Instruct's 8.29B, the vision tower 0.68B of it
 }
 
 

@@ -652,10 +652,13 @@ def input_shapes(arch: str, config: dict, card: ModelCard, method, rows: int) ->
 
 
 def _inputs(shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
-    """Tensors of ``shapes`` (fake ones inside ``FakeTensorMode``): floats in ``dtype``, ids, timesteps."""
+    """Tensors of ``shapes`` (fake ones inside ``FakeTensorMode``): floats in ``dtype``, ids, timesteps; a value that
+    is no shape tuple is an input as it is (Qwen-Image's ``img_shapes``, a list)."""
     inputs: dict[str, Any] = {}
     for name, shape in shapes.items():
-        if name == "input_ids":
+        if not isinstance(shape, tuple):
+            inputs[name] = shape
+        elif name == "input_ids":
             inputs[name] = torch.zeros(shape, dtype=torch.long)
         elif name == "timestep":
             inputs[name] = torch.full(shape, 500.0)

@@ -364,7 +364,8 @@ class FlowMatchSampler:
             return model(x, t, cond).float()
         both = model(torch.cat([x, x]), torch.cat([t, t]), _cat(cond, uncond)).float()
         v_cond, v_uncond = both.chunk(2)
-        return guided(v_cond, v_uncond, g, phi)
+        # a generator whose pipeline guides otherwise says so on its velocity function (QwenImagePipeline's true CFG)
+        return getattr(model, "guided", guided)(v_cond, v_uncond, g, phi)
 
     def sde_steps(self) -> torch.Tensor:
         mask = torch.zeros(self.num_steps, dtype=torch.bool)

@@ -28,6 +28,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from posttrain.modules.models.generators.wan22_ti2v import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
+
 # ---------------------------------------------------------------------- the config facts
 # Wan2.1 (Wan-AI/Wan2.1-*-Diffusers, transformer/config.json): WanTransformer3DModel; the 14B I2V adds the CLIP image
 # tokens' projection (image_dim: the image encoder's width; added_kv_proj_dim: the model's, 40 x 128) and reads
@@ -40,6 +42,16 @@ WAN_I2V_14B = dict(WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=51
 # AutoencoderKLWan of Wan 2.1 (vae/config.json): 8x spatial, 4x temporal, 16 latent channels; the class defaults
 WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                temperal_downsample=[False, True, True], dropout=0.0)
+# Wan2.2-TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers; diffusers' scripts/convert_wan_to_diffusers.py, "Wan2.2-TI2V-5B" and
+# vae22_diffusers_config; the Wan 2.2 repository's wan_ti2v_5B.py: dim 3072, ffn 14336, 24 heads, 30 layers): the
+# transformer reads the 48 latent channels alone; the Wan 2.2 VAE folds 2x2 pixels into 12 channels (patch_size 2),
+# residual blocks, 16x spatial, 4x temporal, 48 latent channels with their own mean/std (the family file's, which
+# its tiny VAE shares)
+WAN_TI2V_5B = dict(WAN, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48)
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12,
+                 out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                 latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD)
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 relative_attention_num_buckets=32, relative_attention_max_distance=128,
                 feed_forward_proj="gated-gelu", tie_word_embeddings=False, architectures=["UMT5EncoderModel"])
@@ -81,6 +93,26 @@ CLIP_G_PROJECTION = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5
                          num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu",
                          architectures=["CLIPTextModelWithProjection"])
 
+# Qwen-Image (Qwen/Qwen-Image): a 60-block MMDiT of 24 x 128 heads reading Qwen2.5-VL-7B's 3584-wide states (its
+# transformer/config.json: the class defaults of QwenImageTransformer2DModel); its VAE is Wan 2.1's layout with
+# Qwen-Image's weights (vae/config.json: the class defaults of AutoencoderKLQwenImage, latents_mean/std included); its
+# text encoder is Qwen2.5-VL-7B-Instruct (text_encoder/config.json: a 28-layer Qwen2.5 LM, GQA 28/4, M-RoPE sections
+# 16/24/24, untied head, and the 32-block vision tower, unused for text)
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                      temperal_downsample=[False, True, True], dropout=0.0)
+QWEN2_5_VL_7B = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                     max_window_layers=28, hidden_act="silu", bos_token_id=151643, eos_token_id=151645,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_chans=3,
+                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu"),
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    tie_word_embeddings=False, architectures=["Qwen2_5_VLForConditionalGeneration"])
+
 
 @dataclass(frozen=True)
 class Published:
@@ -108,6 +140,11 @@ PUBLISHED: dict[str, Published] = {
     "Wan2.2-T2V-A14B": Published("Wan-AI/Wan2.2-T2V-A14B-Diffusers",
                                  {"transformer": ("wan_t2v", WAN_14B), "transformer_2": ("wan_t2v", WAN_14B),
                                   **_WAN_SHARED}),
+    # Wan2.2-TI2V-5B: one transformer for text- and image-to-video (``arch: wan22_ti2v`` or ``wan22_ti2v_i2v``, the same
+    # weights), the Wan 2.2 VAE, UMT5-XXL as Wan 2.1's
+    "Wan2.2-TI2V-5B": Published("Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                                {"transformer": ("wan22_ti2v", WAN_TI2V_5B), "vae": ("wan22_vae", WAN22_VAE),
+                                 "text_encoder": ("umt5", UMT5_XXL)}),
     "FLUX.1-dev": Published("black-forest-labs/FLUX.1-dev",
                             {"transformer": ("flux", FLUX_DEV), "vae": ("vae_kl", FLUX_VAE),
                              "text_encoder": ("clip", CLIP_L_TEXT), "text_encoder_2": ("t5", T5_XXL)}),
@@ -117,6 +154,9 @@ PUBLISHED: dict[str, Published] = {
                                "text_encoder_2": ("clip_projection", CLIP_G_PROJECTION),
                                "text_encoder_3": ("t5", T5_XXL)}),
     "Qwen2.5-0.5B-Instruct": Published("Qwen/Qwen2.5-0.5B-Instruct", {"": ("qwen2", QWEN_0_5B)}),
+    "Qwen-Image": Published("Qwen/Qwen-Image", {"transformer": ("qwen_image", QWEN_IMAGE),
+                                                "vae": ("qwen_image_vae", QWEN_IMAGE_VAE),
+                                                "text_encoder": ("qwen2_5_vl", QWEN2_5_VL_7B)}),
 }
 
 

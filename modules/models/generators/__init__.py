@@ -294,6 +294,7 @@ class GeneratorStage:
             with saved:
                 return adapter.velocity(module, x, t, cond, **model_kwargs)
 
+        velocity.guided = adapter.guided  # how the sampler combines the conditional and unconditional velocities
         return velocity
 
     def new_cache(self, name: Optional[str] = None):

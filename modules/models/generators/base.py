@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Pr
 import torch
 
 from posttrain.modules.flow.conditioning import Conditioning
-from posttrain.modules.flow.samplers import CleanLatents, FlowMatchSampler
+from posttrain.modules.flow.samplers import CleanLatents, FlowMatchSampler, guided
 
 # ByT5 ids are byte + 3 (pad 0, eos 1, unk 2) plus 125 extra ids: 384 in all. Every tiny text model uses this
 # vocabulary so that ``ByT5Tokenizer()`` (no vocabulary file) serves all of them; their width is TEXT_DIM, which
@@ -283,6 +283,12 @@ class GeneratorAdapter:
     def extra(self, stage: Stage, batch_size: int) -> dict[str, torch.Tensor]:
         """Further per-row inputs that are neither text nor image (FLUX's embedded guidance)."""
         return {}
+
+    def guided(self, v_cond: torch.Tensor, v_uncond: Optional[torch.Tensor], scale, rescale: float = 0.0
+               ) -> torch.Tensor:
+        """The guided velocity its pipeline computes from the conditional and unconditional ones: plain CFG
+        (``samplers.guided``) unless the pipeline does otherwise."""
+        return guided(v_cond, v_uncond, scale, rescale)
 
     def velocity(self, transformer: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
                  cond: Conditioning, **model_kwargs) -> torch.Tensor:

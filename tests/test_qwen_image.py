@@ -1,0 +1,232 @@
+"""Qwen-Image, a family added as one file (``modules/models/generators/qwen_image.py``) and its configs: its prompt
+embedding is ``QwenImagePipeline.encode_prompt``'s, it finetunes and trains with FlowGRPO (log-probability parity
+held), its export run by the real ``QwenImagePipeline`` from the same noise reproduces ``predict`` (float32), and
+the published Qwen-Image builds on the meta device at its parameter count."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from transformers import AutoTokenizer, Qwen2Tokenizer
+
+from posttrain.callbacks.parity import LogProbParityCheck
+from posttrain.datamodules.prompts import Prompts
+from posttrain.lit.base import RunArgs
+from posttrain.lit.flow_grpo import FlowGRPO
+from posttrain.lit.tools.cli import main
+from posttrain.lit.tools.estimate import estimate
+from posttrain.lit.tools.export import export
+from posttrain.modules.flow.samplers import FlowMatchSampler
+from posttrain.modules.models import presets
+from posttrain.modules.models.cards import Expert, ModelCard
+from posttrain.modules.models.generators import ADAPTERS, GeneratorStage, VideoSize
+from posttrain.modules.models.generators.base import codec_of
+from posttrain.modules.models.generators.qwen_image import (DROP_TOKENS, MAX_PROMPT_TOKENS, PROMPT_TEMPLATE,
+                                                            TOKENIZER_ASSET, QwenImageVAE)
+from posttrain.modules.rewards.synthetic import ColourAlignment
+from posttrain.modules.rl.grpo import GRPOArgs
+from tests.conftest import adamw
+from tests.helpers import quick_trainer
+from tests.test_estimate import assert_matches_a_real_forward
+from tests.test_export_generators import finetuned
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["a red circle moving left on a blue background", "a yellow square"]  # of different lengths: a mask
+
+
+def qwen_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Qwen-Image's scheduler_config.json (as configs/finetune_qwen_image.yaml gives it)."""
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                           base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                           time_shift_type="exponential")
+
+
+def qwen_card(lr: float = 1e-2, text_max_length: int = 64) -> ModelCard:
+    """A tiny Qwen2.5-VL (frozen) with the template tokenizer, a tiny Qwen-Image VAE, a trainable tiny Qwen-Image."""
+    return ModelCard({"text_encoder": Expert(arch="qwen2_5_vl", tokenizer=TOKENIZER_ASSET),
+                      "vae": Expert(arch="qwen_image_vae"),
+                      "transformer": Expert(arch="qwen_image", trainable=True, optimizer=adamw(lr))},
+                     text_max_length=text_max_length)
+
+
+def pipeline_of(card: ModelCard) -> QwenImagePipeline:
+    return QwenImagePipeline(scheduler=qwen_scheduler(), vae=card["vae"], text_encoder=card["text_encoder"],
+                             tokenizer=card.tokenizers["text_encoder"], transformer=card["transformer"])
+
+
+def test_the_template_tokenizer_drops_exactly_the_system_turn():
+    """The shipped tokenizer (scripts/make_qwen_tokenizer.py) is a Qwen2Tokenizer whose first DROP_TOKENS tokens of
+    the template are Qwen2.5's: the system turn and ``<|im_start|>user\\n``; the prompt starts right after them.
+    Its ids fit the tiny text encoder's vocabulary (ByT5's 384 too)."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_ASSET)
+    assert isinstance(tokenizer, Qwen2Tokenizer) and len(tokenizer) == 367
+    assert len(tokenizer) <= presets.PRESETS["qwen2_5_vl"]["text_config"]["vocab_size"]
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(PROMPT_TEMPLATE.format("red")).input_ids)
+    words = ("Describe the image by detailing the color , shape , size , texture , quantity , text , spatial "
+             "relationships of the objects and background :").split()
+    system = ["<|im_start|>", "system", "Ċ"] + [w if i == 0 or w in ",:" else "Ġ" + w for i, w in enumerate(words)]
+    assert tokens[:DROP_TOKENS] == system + ["<|im_end|>", "Ċ", "<|im_start|>", "user", "Ċ"]
+    assert tokens[DROP_TOKENS:] == ["r", "e", "d", "<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"]
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+    assert (pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, pipe.tokenizer_max_length) == \
+        (PROMPT_TEMPLATE, DROP_TOKENS, MAX_PROMPT_TOKENS)
+
+
+def test_prompt_embedding_is_the_pipelines_encode_prompt(one_thread):
+    """The conditioning equals ``QwenImagePipeline.encode_prompt`` on the same prompts (exactly), zero-padded to
+    text_max_length: the states of each prompt's tokens past the template's first 34, the mask of the shorter one.
+    A row from the cache reads the same, and velocity runs the pipeline's (unpadded) text."""
+    card = qwen_card()
+    card.build()
+    stage = GeneratorStage.named(card)
+    cond = stage.condition(PROMPTS)
+    states, mask = pipeline_of(card).encode_prompt(PROMPTS, device="cpu", max_sequence_length=card.text_max_length)
+    length = states.shape[1]
+    # "a yellow square": 14 tokens, then the template's 5 after the prompt
+    assert mask is not None and mask.sum(1).tolist() == [length, 19] and length < card.text_max_length
+    assert torch.equal(cond["encoder_hidden_states"][:, :length], states)
+    assert torch.equal(cond["encoder_hidden_states_mask"][:, :length], mask)
+    assert not cond["encoder_hidden_states"][:, length:].any()
+    assert not cond["encoder_hidden_states_mask"][:, length:].any()
+    assert card.cache.misses == 2
+    again = stage.condition(PROMPTS[::-1])  # from the cache: the same rows and masks, in the new order
+    assert card.cache.hits == 2
+    assert all(torch.equal(again[k], cond[k].flip(0)) for k in cond)
+    # one prompt alone: encode_prompt gives no mask (nothing padded); the velocity equals the transformer's on it
+    x = torch.randn(1, *stage.latent_shape(VideoSize(1, 32, 32)))
+    alone, none = pipeline_of(card).encode_prompt(PROMPTS[1:], device="cpu", max_sequence_length=card.text_max_length)
+    assert none is None
+    with stage.velocity() as velocity, torch.no_grad():
+        ours = velocity(x, torch.tensor([700.0]), cond.select([1]))
+        theirs = card["transformer"](hidden_states=QwenImagePipeline._pack_latents(x[:, :, 0], 1, 16, 8, 8),
+                                     timestep=torch.tensor([0.7]), encoder_hidden_states=alone,
+                                     img_shapes=[[(1, 4, 4)]], return_dict=False)[0]
+    assert (ours - QwenImagePipeline._unpack_latents(theirs, 8, 8, 1)).abs().max() < 1e-6
+
+
+def test_the_vae_codec_and_the_size_checks(one_thread):
+    """AutoencoderKLQwenImage through the codec: Wan's normalization reused (pixels -> (B, 16, 1, H/4, W/4) ->
+    pixels); the spatial factor the pipeline reads (2^len(temperal_downsample)); an image size off the 2×2 packing,
+    a video, a VAE whose levels and temperal_downsample disagree, and a text longer than the pipeline's are refused."""
+    card = qwen_card()
+    card.build()
+    stage = GeneratorStage.named(card)
+    vae = card["vae"]
+    assert isinstance(codec_of(vae), QwenImageVAE) and codec_of(vae).scale_factors(vae) == (2, 4)
+    assert pipeline_of(card).vae_scale_factor == 4
+    image = torch.rand(2, 3, 1, 32, 32) * 2 - 1
+    latents = stage.encode(image)
+    assert latents.shape == (2, 16, 1, 8, 8) and stage.decode(latents).shape == (2, 3, 1, 32, 32)
+    with pytest.raises(ValueError, match=r"height=36 must be a multiple of 8 \(VAE factor 4 × patch 2\); e.g. 40"):
+        stage.latent_shape(VideoSize(1, 36, 32))
+    with pytest.raises(ValueError, match="frames=5, but Qwen-Image makes images: set frames: 1"):
+        stage.latent_shape(VideoSize(5, 32, 32))
+    bad = presets.build_model("qwen_image_vae", preset={"temperal_downsample": [False, True, True]})
+    with pytest.raises(ValueError, match=r"dim_mult \[1, 1, 1\] \(2 downsampling levels\) but temperal_downsample "
+                                         r"\[False, True, True\]"):
+        QwenImageVAE().scale_factors(bad)
+    long = qwen_card(text_max_length=MAX_PROMPT_TOKENS + 1)
+    long.build()
+    assert any("text_max_length=1025, but QwenImagePipeline embeds at most 1024" in p
+               for p in GeneratorStage.named(long).problems())
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["no_cfg", "cfg3"])
+def test_export_reproduces_predict(tmp_path, guidance, one_thread):
+    """QwenImagePipeline on the exported folder (EMA transformer, the run's scheduler), given the packed noise: max
+    |Δ latents| < 1e-5 and the same pixels. CFG is the pipeline's true CFG (``true_cfg_scale`` with the empty
+    negative prompt): each token's guided velocity rescaled to the conditional one's norm."""
+    module, ckpt = finetuned(tmp_path, qwen_card(), RunArgs(frames=1, height=32, width=32), guidance, qwen_scheduler())
+    out = export(ckpt, str(tmp_path / "pipe"))
+    assert sorted(os.listdir(out)) == ["model_index.json", "scheduler", "serving.json", "text_encoder", "tokenizer",
+                                       "transformer", "vae"]
+    pipe = QwenImagePipeline.from_pretrained(out)
+    assert isinstance(pipe.tokenizer, Qwen2Tokenizer) and pipe.scheduler.config.time_shift_type == "exponential"
+    call = json.load(open(os.path.join(out, "serving.json")))
+    assert call.pop("pipeline") == "QwenImagePipeline" and call.pop("transformer") == "transformer_ema"
+    assert call["true_cfg_scale"] == guidance and call["max_sequence_length"] == 64
+    assert call.get("negative_prompt") == ("" if guidance != 1.0 else None)
+
+    ours = module.generate(PROMPTS, seed=7, latents_only=True)  # (B, 16, 1, 8, 8)
+    noise = torch.randn((len(PROMPTS), *module.stage.latent_shape(module.video)),
+                        generator=torch.Generator().manual_seed(7))
+    packed = QwenImagePipeline._pack_latents(noise[:, :, 0], len(PROMPTS), 16, 8, 8)
+    theirs = pipe(PROMPTS, latents=packed, output_type="latent", **call).images  # (B, 16 tokens, 64)
+    gap = (ours - QwenImagePipeline._unpack_latents(theirs, 8, 8, 1)).abs().max().item()
+    print(f"QwenImagePipeline vs predict (true_cfg_scale {guidance}): max |Δ latents| = {gap:.2e}")
+    assert gap < 1e-5
+    images = pipe(PROMPTS, latents=packed, output_type="pt", **call).images  # (B, 3, H, W) in [0, 1]
+    assert ((module.stage.decode(ours)[:, :, 0] + 1) / 2 - images).abs().max() < 1e-5
+    ema = module.card["transformer_ema"].state_dict()
+    assert all(torch.equal(pipe.transformer.state_dict()[k], ema[k]) for k in ema)
+
+
+def test_guidance_is_the_pipelines_true_cfg():
+    """``QwenImage.guided`` by hand: per packed token (4 channels x a 2x2 patch: 16 values), the plain CFG velocity
+    rescaled to the conditional one's norm; rows at scale 1 are the conditional velocity itself. v_c = 1 everywhere
+    (norm 4 a token), v_u = 0: plain CFG at 3 is 3 (norm 12), rescaled to 1. Where v_u = 3: 3 + 3·(1 - 3) = -3,
+    rescaled to -1."""
+    guided = ADAPTERS["qwen_image"].guided
+    v_cond, v_uncond = torch.ones(2, 4, 1, 4, 4), torch.zeros(2, 4, 1, 4, 4)
+    assert torch.allclose(guided(v_cond, v_uncond, 3.0), v_cond)
+    v_uncond[:, :, :, :2, :2] = 3.0  # the first token of each row
+    out = guided(v_cond, v_uncond, torch.tensor([3.0, 1.0]))
+    assert torch.allclose(out[0, :, :, :2, :2], -torch.ones(4, 1, 2, 2))
+    assert torch.allclose(out[0, :, :, 2:], torch.ones(4, 1, 2, 4)) and torch.equal(out[1], v_cond[1])
+
+
+def test_flow_grpo_keeps_log_probability_parity(one_thread):
+    """Three FlowGRPO iterations (K = 2 SDE rollouts of 4 steps under true CFG 2, the masked text of two prompt
+    lengths): the rollout's log p recomputed at its weights equals the captured one (float32) at every iteration,
+    and the policy moves."""
+    card = qwen_card(lr=1e-3)
+    model = FlowGRPO(card, reward=ColourAlignment(), sampler=FlowMatchSampler(num_steps=4, noise_level=0.7,
+                                                                              guidance_scale=2.0,
+                                                                              scheduler=qwen_scheduler()),
+                     grpo=GRPOArgs(num_samples_per_prompt=2, timestep_fraction=1.0), run=RunArgs(frames=1, height=32,
+                                                                                                 width=32))
+    model.configure_model()
+    before = {k: v.clone() for k, v in card["transformer"].state_dict().items()}
+    parity = LogProbParityCheck(every_n_iterations=1, tolerance=1e-5)
+    quick_trainer(3, callbacks=[parity]).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    print(f"FlowGRPO Qwen-Image: largest log-probability gap {parity.last_gap:.2e}")
+    assert parity.checks == 3 and parity.last_gap < 1e-5
+    assert card.versions["transformer"] == 3
+    assert any(not torch.equal(before[k], v) for k, v in card["transformer"].state_dict().items())
+
+
+@pytest.mark.parametrize("config", ["finetune_qwen_image.yaml", "flow_grpo_qwen_image.yaml"])
+def test_qwen_image_configs_train_one_iteration(config, tmp_path, monkeypatch):
+    """The shipped configs through the command (in this process, from the repository root, where their tokenizer
+    folder is): one finetune / FlowGRPO iteration (the FlowGRPO one under its LogProbParityCheck), a checkpoint."""
+    monkeypatch.chdir(ROOT)
+    if config.startswith("finetune"):
+        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}}
+    else:
+        data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
+    main(["fit", "--config", os.path.join(ROOT, "configs", config), "--trainer.max_steps", "1",
+          "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.limit_val_batches", "0",
+          "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+          "--data", json.dumps(data)])
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+
+def test_activation_estimate_matches_a_real_forward(tmp_path):
+    """``posttrain estimate`` on configs/finetune_qwen_image.yaml (3 blocks, 2 rows of 32x32 images, the full
+    64-token text with its mask) against the bytes a real forward saves for backward."""
+    preset = {"num_layers": 3}
+    with open(os.path.join(ROOT, "configs", "finetune_qwen_image.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["preset"] = preset
+    cfg["model"]["init_args"]["card"]["experts"]["text_encoder"]["tokenizer"] = TOKENIZER_ASSET
+    cfg["data"]["init_args"]["batch_size"] = 2
+    path = os.path.join(tmp_path, "qwen_image.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    result = estimate(path)
+    assert result["transformer"].placement == "single process" and result["transformer"].activation_bytes > 0
+    assert_matches_a_real_forward(path, "qwen_image", preset, result["transformer"].activation_bytes)
