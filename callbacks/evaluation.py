@@ -80,6 +80,11 @@ class Evaluate(Callback):
             raise ValueError(f"two Evaluate callbacks are named {self.name!r} (both would log val/{self.name}/...); "
                              f"give each its own `name`")
 
+    def drawn_prompts(self, datamodule, video) -> list[str]:
+        """The captions it samples at the run's ``video`` size: what a run that does not load its text encoder needs
+        rows of (``posttrain preprocess`` encodes them, ``callbacks.precomputed`` caches them)."""
+        return self.prompts_and_videos(video.frames, video.height, video.width)[0]
+
     def prompts_and_videos(self, frames: int, height: int, width: int) -> tuple[list[str], Optional[torch.Tensor]]:
         """The fixed captions (motion dropped for a 1-frame generator) and, for ``frechet``, their rendered
         videos; made once per size (they are the same at every validation)."""

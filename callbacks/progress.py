@@ -91,6 +91,8 @@ def _how(card, name: str) -> str:
         of, role = card.roles[name]
         return f"{role} of {of}"
     spec = card.specs[name]
+    if spec.precomputed:
+        return "not loaded (rows)"
     if not spec.trainable:
         return "frozen"
     parts = [_optimizer_name(spec.optimizer)]

@@ -115,6 +115,11 @@ class SampleVideos(Callback):
             return found, f"from the data ({type(datamodule).__name__})"
         return list(DEFAULT_PROMPTS), "of the synthetic world (the data offers none)"
 
+    def drawn_prompts(self, datamodule: Any, video: Any) -> list[str]:
+        """The prompts it samples: what a run that does not load its text encoder needs rows of (``posttrain
+        preprocess`` encodes them, ``callbacks.precomputed`` caches them)."""
+        return self.resolve_prompts(datamodule)[0]
+
     def on_fit_start(self, trainer, pl_module) -> None:
         self.prompts, source = self.resolve_prompts(trainer.datamodule)
         self._check_settings(pl_module)

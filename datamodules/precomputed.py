@@ -8,16 +8,21 @@ encoders are not run on them. With the same ``batch_size`` and ``seed`` as the d
 made from, batches hold the same samples in the same order, and training is bitwise the on-the-fly run at equal CPU threads
 (tests/test_precomputed.py). At start-up the method refuses rows made by other weights, at another video
 size or text length (``callbacks.precomputed.PrecomputedRows``).
+
+With this data ``posttrain fit`` does not load the frozen text encoders whose rows the folder holds
+(``Expert.precomputed``, set by ``lit.tools.config.apply_precomputed``): the rows of the empty prompt and of the
+prompts the run samples (``text_rows``) come from the folder too.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posttrain.datamodules.sampling import ResumableDataModule
 from posttrain.modules.io import batch as batch_schema
-from posttrain.modules.io.precomputed import PrecomputedSplit, read_manifest
+from posttrain.modules.io.precomputed import SAMPLES, PrecomputedSplit, read_manifest
 
 
 class PrecomputedDataset(Dataset):
@@ -49,8 +54,10 @@ class PrecomputedVideos(ResumableDataModule):
         self._splits: dict[str, PrecomputedSplit] = {}
 
     def split(self, name: str) -> PrecomputedSplit:
+        """A split's rows (``train``, ``val``), or those of the prompts the config's callbacks sample (``samples``)."""
         if name not in self._splits:
-            self._splits[name] = PrecomputedSplit(self.path, name, self.manifest)
+            manifest = {"splits": {SAMPLES: self.manifest[SAMPLES]}} if name == SAMPLES else self.manifest
+            self._splits[name] = PrecomputedSplit(self.path, name, manifest)
         return self._splits[name]
 
     @property
@@ -60,6 +67,21 @@ class PrecomputedVideos(ResumableDataModule):
 
     def train_dataset(self) -> Dataset:
         return PrecomputedDataset(self.split("train"))
+
+    def text_rows(self, prompts: list[str]) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """(those of ``prompts`` the rows hold, {encoder: (n, ...) their rows}), from the callbacks' sample prompts, the
+        validation split or the training split; only those rows are gathered (a UMT5 row at 512×4096 bf16 is 4 MiB)."""
+        where: dict[str, tuple[PrecomputedSplit, int]] = {}
+        names = [s for s in ("train", "val") if s in self.manifest["splits"]]
+        for name in names + ([SAMPLES] if SAMPLES in self.manifest else []):
+            split = self.split(name)
+            index = {prompt: i for i, prompt in enumerate(split.prompts)}
+            where.update({p: (split, index[p]) for p in prompts if p in index})
+        found = [p for p in dict.fromkeys(prompts) if p in where]
+        if not found:
+            return [], {}
+        return found, {name: torch.stack([split.text[name][i] for split, i in (where[p] for p in found)])
+                       for name in self.split("train").text}
 
     def sample_prompts(self, k: int) -> list[str]:
         """The first ``k`` prompts of the validation rows, or of the training rows when there are none."""

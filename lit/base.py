@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from posttrain.callbacks.iterations import IterationCounter
 from posttrain.callbacks.precomputed import PrecomputedRows
 from posttrain.callbacks.versions import WeightVersions
-from posttrain.lit.engine.encoders import offload_encoders
+from posttrain.lit.engine.encoders import ddp_ignore, offload_encoders
 from posttrain.lit.engine.log_cadence import DeferredLogging
 from posttrain.lit.engine.resume import ExactResume
 from posttrain.lit.engine.startup import check_trainer
@@ -177,6 +177,8 @@ class ExpertModule(ExactResume, DeferredLogging):
             with gathered(self.card):
                 self.setup_roles()
         self.check_sizes()
+        if self.card.unloaded:  # meta tensors: nothing for DDP to broadcast or check
+            ddp_ignore(self, self.card.unloaded)
         if self.card.offload_encoders and self._trainer is not None and self.trainer.state.fn == "fit":
             offload_encoders(self)  # before the strategy moves the module: parked encoders never reach the device
 

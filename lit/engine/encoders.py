@@ -8,10 +8,10 @@ and before the strategy moves the module to its device: the generator stage's fr
 encoded into the card's cache, the text encoders on the device for that one pass: the data's (``prompt_list()`` of
 ``Prompts`` and ``SyntheticVideos``, the captions of ``VideoFolder``'s train and validation items), the prompts of
 any callback that holds a list of them (``SampleVideos``) and the empty prompt (caption dropout, CFG). With
-``PrecomputedVideos`` nothing is encoded: the rows come with the batches, and the encoder, loaded into host memory
-for the check that the rows match its weights, never runs. A prompt not in the cache later (more prompts than
-``cache_size``, a prompt a refiner writes) brings its encoder to the device for that call: correct, and slow by one
-copy of the encoder.
+``PrecomputedVideos`` nothing is encoded: the rows come with the batches, and the encoders whose rows the folder
+holds are not loaded at all (``Expert.precomputed``): there is nothing of them to park. A prompt not in the cache
+later (more prompts than ``cache_size``, a prompt a refiner writes) brings a parked encoder to the device for that
+call: correct, and slow by one copy of the encoder.
 """
 from __future__ import annotations
 
@@ -33,12 +33,8 @@ def offload_encoders(module) -> None:
     parked = card.offload_paths(stage, latents=precomputed or getattr(data, "latents_cache", None) is not None)
     for path in parked:
         card.park(path, device)
-    # DDP neither broadcasts nor checks the device of what stays on the host (frozen: the same file on every rank);
-    # ShardedExpertsStrategy adds its engines' tensors to this list
-    prefixes = tuple(f"card.models.{path}." for path in parked)
-    names = [n for n, _ in [*module.named_parameters(), *module.named_buffers()] if n.startswith(prefixes)]
-    module._ddp_params_and_buffers_to_ignore = list(dict.fromkeys(
-        [*getattr(module, "_ddp_params_and_buffers_to_ignore", []), *names]))
+    # DDP neither broadcasts nor checks the device of what stays on the host (frozen: the same file on every rank)
+    ddp_ignore(module, parked)
     prompts = [] if precomputed else run_prompts(data, trainer.callbacks)
     if prompts is None:
         rank_zero_warn("offload_encoders: the data does not list its prompts up front; each prompt not yet in the "
@@ -56,6 +52,16 @@ def offload_encoders(module) -> None:
         for i in range(0, len(prompts), ENCODE_BATCH):
             stage.adapter.text(stage, prompts[i:i + ENCODE_BATCH])
     rank_zero_info(f"offload_encoders: {len(prompts)} prompts encoded; {', '.join(parked)} kept in host memory")
+
+
+def ddp_ignore(module, paths: list[str]) -> None:
+    """Leave the tensors of the card's modules at ``paths`` out of DDP's broadcast and device checks: frozen modules
+    that stay where they are (parked in host memory; unloaded, on the meta device). ShardedExpertsStrategy adds its
+    engines' tensors to the same list."""
+    prefixes = tuple(f"card.models.{path}." for path in paths)
+    names = [n for n, _ in [*module.named_parameters(), *module.named_buffers()] if n.startswith(prefixes)]
+    module._ddp_params_and_buffers_to_ignore = list(dict.fromkeys(
+        [*getattr(module, "_ddp_params_and_buffers_to_ignore", []), *names]))
 
 
 def run_prompts(data: Any, callbacks: list) -> Optional[list[str]]:

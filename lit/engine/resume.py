@@ -10,7 +10,8 @@ resumed run continue bitwise where the uninterrupted one goes.
   the serving settings (``posttrain export`` reads them), the noise generators of every process, the global
   RNGs (torch, numpy, python, CUDA), the accumulation and non-finite counters; what a source rebuilds exactly is
   left out of ``state_dict`` (a SHA-256 of it is kept instead): frozen experts whose weights a file holds, and
-  the base of a LoRA expert (``ModelCard.reloadable``), so a LoRA checkpoint holds the adapter;
+  the base of a LoRA expert (``ModelCard.reloadable``), so a LoRA checkpoint holds the adapter; a text encoder
+  not loaded (``Expert.precomputed``, on the meta device) is left out too, so a run resumes with or without it;
 - ``on_load_checkpoint`` refuses a checkpoint of another card before anything loads, puts back what was left out
   from the freshly built card's sources (refusing a source that changed), and every state above — for ``validate`` and
   ``predict`` too, which is why these are the module's hooks and not a callback's (a callback's
@@ -146,6 +147,10 @@ class ExactResume(LightningModule):
         what trains (``SyncPlan.pairs``), so its base is the expert's."""
         frozen = {}
         sources = self.card.sources()
+        rows = self._rows_digests()
+        for name in self.card.unloaded:  # on the meta device: no weights to keep; the digest of those of the rows
+            self._drop(state_dict, name, self.card.models[name].state_dict())
+            frozen[name] = {"sha256": rows.get(name), "source": sources[name], "precomputed": True}
         for name in self.card.reloadable():
             spec = self.card.specs[name]
             # a sharded LoRA expert is not in `state_dict`: its engine saves it without the base
@@ -157,6 +162,12 @@ class ExactResume(LightningModule):
                     and self._drop(state_dict, name, self.card.frozen_state(name)):
                 frozen[name] = {"base_of": of}
         return frozen
+
+    def _rows_digests(self) -> dict[str, str]:
+        """The weights SHA-256 of each expert that made the run's precomputed rows (``PrecomputedVideos``' manifest:
+        ``weights_digest``, what ``_digest`` gives for a loaded frozen expert), {} without such data."""
+        manifest = getattr(getattr(self._trainer, "datamodule", None), "manifest", None) or {}
+        return dict(manifest.get("sources") or {})
 
     def _digest(self, name: str) -> str:
         """SHA-256 of what expert ``name``'s source rebuilds (``weights_digest``), computed once: it never changes."""
@@ -178,8 +189,24 @@ class ExactResume(LightningModule):
         """Put back the weights the checkpoint left out (frozen experts, LoRA bases), from their sources in the
         freshly built card, after checking that each source still holds the weights the checkpoint was trained
         with. A checkpoint written before LoRA bases were left out holds them: they simply load."""
+        state_dict = checkpoint["state_dict"]
+        for name in self.card.unloaded:  # whatever the checkpoint holds of it, the run keeps its meta tensors
+            prefix = f"card.models.{name}."
+            for key in [k for k in state_dict if k.startswith(prefix)]:
+                del state_dict[key]
+            state_dict.update({prefix + key: value for key, value in self.card.models[name].state_dict().items()})
+        rows = self._rows_digests()
         for name, saved in frozen.items():
             if "base_of" in saved:  # a LoRA role: its base is its expert's, whose own entry checks the source
+                continue
+            if name in self.card.unloaded:  # its weights now are those that made the rows (callbacks.precomputed)
+                if saved.get("sha256") and rows.get(name) and rows[name] != saved["sha256"]:
+                    raise ValueError(f"text encoder {name!r} (not loaded: precomputed) made the rows with other "
+                                     f"weights than this checkpoint was trained with (SHA-256 {rows[name][:12]}… vs "
+                                     f"{saved['sha256'][:12]}…): resume on rows of the checkpoint's encoder "
+                                     f"(`posttrain preprocess` with its source), or start a new run")
+                continue
+            if saved.get("sha256") is None:  # written without it loaded, and without rows that name its weights
                 continue
             digest = self._digest(name)
             if digest != saved["sha256"]:
@@ -196,8 +223,9 @@ class ExactResume(LightningModule):
                      ". Restore that source, or start a new run from the checkpoint's trained experts"))
                 raise ValueError(f"{subject} is not the one {trained}: its source ({where}) changed since ({weights} "
                                  f"SHA-256 {digest[:12]}… vs {saved['sha256'][:12]}…){closing}")
-        state_dict = checkpoint["state_dict"]
         for name, saved in frozen.items():
+            if name in self.card.unloaded:
+                continue
             prefix = f"card.models.{name}."
             lora = "base_of" in saved or (saved.get("source") or {}).get("lora") is not None
             if lora and not any(key.startswith(prefix) for key in state_dict):

@@ -14,6 +14,8 @@
 - ``--ckpt_path last`` with nothing to resume names the (absolute) folder it looked in and starts a new run;
 - ``--preset tiny``: a real-model recipe at the embedded default's size;
 - ``--random_weights true``: a real-model recipe at real size with random weights, without the weights' folders;
+- ``--data PrecomputedVideos``: the frozen text encoders whose rows the folder holds are not loaded
+  (``apply_precomputed``);
 - ``parse`` / ``instantiate_part``: a fit YAML checked and one part of it built alone, for the tools
   (``estimate``, ``preprocess``) that need no trainer.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import os
 import sys
 from dataclasses import asdict
@@ -188,6 +191,7 @@ class PosttrainCLI(LightningCLI):
             apply_tiny_preset(config)
         elif random_weights:
             apply_random_weights(config)
+        apply_precomputed(config)
         seed_run(config)
         derive_run_folder(config.trainer, subcommand or "fit", config.get("ckpt_path"))
 
@@ -339,6 +343,50 @@ def apply_random_weights(config) -> None:
         expert.published, expert.pretrained = name_of_folder(expert.pretrained), None
         if expert.get("tokenizer") is not None and not os.path.isdir(expert.tokenizer):
             expert.tokenizer = None
+
+
+# ---------------------------------------------------------------------- --data PrecomputedVideos
+def apply_precomputed(config) -> list[str]:
+    """With ``PrecomputedVideos`` data, ``precomputed: true`` on each frozen text encoder of the card whose rows the
+    folder holds (its manifest's ``sources``, a small JSON read here; a folder without one sets nothing: ``posttrain
+    estimate`` then counts the encoders loaded, and fit stops at the datamodule, which names the missing manifest)
+    and whose weights a source names (a ``pretrained`` folder, the shipped asset, ``published``): it is built on
+    the meta device, never loaded. An expert's own ``precomputed`` (true or false) stands; an encoder of random
+    preset weights is still built, as only its weights tell whether the rows are its. Without ``PrecomputedVideos``
+    an expert set ``precomputed: true`` is refused. Returns the experts set. ``posttrain fit`` / ``validate`` and the
+    tools that parse a config (``estimate``) apply it alike."""
+    if config.get("model") is None or "card" not in (config.model.get("init_args") or {}):
+        return []
+    card = config.model.init_args.card
+    card = card.init_args if "init_args" in card else card
+    experts = {name: (e.init_args if "init_args" in e else e) for name, e in (card.get("experts") or {}).items()}
+    data = config.get("data")
+    if data is None or not str(data.get("class_path", "")).endswith("PrecomputedVideos"):
+        given = [name for name, e in experts.items() if e.get("precomputed")]
+        if given:
+            raise ValueError(f"experts {given} have precomputed: true, which reads their rows from `--data "
+                             f"PrecomputedVideos --data.path <folder of posttrain preprocess>`; give that data, or "
+                             f"drop precomputed")
+        return []
+    from posttrain.modules.io.precomputed import MANIFEST
+
+    path = os.path.join(str(data.init_args.get("path")), MANIFEST)
+    if not os.path.isfile(path):  # not written yet: sized as loaded by the tools; fit stops at the datamodule
+        return []
+    with open(path) as f:
+        sources = json.load(f).get("sources") or {}
+    chosen = []
+    for name, e in experts.items():
+        arch = e.get("arch")
+        if name not in sources or arch not in presets.PRESETS or e.get("precomputed") is not None:
+            continue
+        frozen_encoder = presets.architecture(arch).kind == "text_encoder" and not e.get("trainable") \
+            and e.get("lora") is None and not e.get("sharded") and e.get("init_from") is None
+        named = e.get("published") is not None or presets.loads_weights(arch, e.get("pretrained"), e.get("preset"))
+        if frozen_encoder and named:
+            e.precomputed = True
+            chosen.append(name)
+    return chosen
 
 
 # ---------------------------------------------------------------------- one run folder, W&B runs

@@ -10,7 +10,9 @@ per component:
   (optimum-quanto's float8 e4m3), everything else in the dtype; a ZeRO-3 expert holds its 1/N partition plus the
   gathered working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.engine.strategy``
   gives it); with the card's ``offload_encoders`` the generator's frozen text encoders are in the ``host`` column,
-  and so is the VAE's encoder when the batches bring latents (``latents_cache``, ``PrecomputedVideos``);
+  and so is the VAE's encoder when the batches bring latents (``latents_cache``, ``PrecomputedVideos``); a text
+  encoder whose rows come with ``PrecomputedVideos`` data is not loaded (``Expert.precomputed``, set by the rule
+  ``posttrain fit`` follows: ``lit.tools.config.apply_precomputed``) and holds nothing anywhere;
 - **gradients**: full under DDP (plus DDP's bucket copy when N > 1, Lightning's default
   ``gradient_as_bucket_view=False``), the 1/N partition plus the reduce bucket under ZeRO-2/3;
 - **optimizer states**: the expert's own optimizer's state tensors (counted by stepping it once on a
@@ -223,6 +225,11 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
 
     components += reward_memory(getattr(method, "reward", None))
     offloaded_encoders(components, card, method, cfg)
+    for c in components:
+        if c.name in card.unloaded:  # PrecomputedVideos data: on the meta device, never loaded (apply_precomputed)
+            c.param_bytes = c.host_bytes = 0
+            c.placement = "not loaded"
+            c.notes.append("precomputed: its rows come with the data; no weight read, on the device or in host memory")
 
     # 3. activations of the trainable experts' training forward
     if activations:

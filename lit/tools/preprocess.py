@@ -6,8 +6,10 @@
 Every process encodes the indices ``rank, rank + N, …`` of each split (``train``, and ``val`` when the
 datamodule has one) in batches of the datamodule's batch size, through the card's own VAE and text encoders
 (the same calls training makes, so training on the rows is bitwise training on the fly), and writes one
-shard; the folder appears whole (written beside it, renamed at the end) with a manifest of SHA-256s and the
-source experts' weight digests (``modules/io/precomputed.py``). On GPUs process ``r`` uses ``cuda:r``.
+shard; the folder appears whole (written beside it, renamed at the end) with a manifest of SHA-256s, the
+source experts' weight digests and their sources (``origins``: the digest of a weights folder's files, a published
+seed), which a run compares for an encoder it does not load (``modules/io/precomputed.py``). On GPUs process ``r``
+uses ``cuda:r``.
 """
 from __future__ import annotations
 
@@ -66,22 +68,41 @@ def preprocess(config: str, out: str, processes: int = 1, batch_size: Optional[i
         shutil.rmtree(partial, ignore_errors=True)
         raise
     counts = ", ".join(f"{split} {s['count']}" for split, s in manifest["splits"].items())
-    return f"wrote {out}: {counts} rows ({processes} process{'es' if processes > 1 else ''})"
+    drawn = manifest.get(precomputed.SAMPLES, {}).get("count")
+    return f"wrote {out}: {counts} rows ({processes} process{'es' if processes > 1 else ''})" + (
+        f", and those of the {drawn} prompts the callbacks sample" if drawn else "")
 
 
 def _build(config: str):
-    """The config's method (its card built on this process) and datamodule; no trainer, no logger."""
+    """The config's method (its card built on this process), datamodule and the prompts its callbacks draw beyond the
+    data (``drawn_prompts``); no trainer, no logger."""
     cfg = parse(config, "preprocess")
     method = instantiate_part(cfg, "model", config, "preprocess")
     method.configure_model()
-    return method, instantiate_part(cfg, "data", config, "preprocess")
+    data = instantiate_part(cfg, "data", config, "preprocess")
+    return method, data, drawn_prompts(cfg, data, method.video)
+
+
+def drawn_prompts(cfg, data, video) -> list[str]:
+    """The prompts the config's callbacks sample (``drawn_prompts`` of ``SampleVideos``, ``Evaluate``): their rows let
+    a run that does not load the text encoder sample them (``callbacks.precomputed``)."""
+    import importlib
+
+    drawn = []
+    for callback in cfg.trainer.get("callbacks") or []:
+        module, _, name = str(callback.get("class_path", "")).rpartition(".")
+        cls = getattr(importlib.import_module(module or "posttrain.callbacks"), name, None)
+        if cls is not None and hasattr(cls, "drawn_prompts"):
+            args = callback.get("init_args")
+            drawn += cls(**(args.as_dict() if args is not None else {})).drawn_prompts(data, video)
+    return list(dict.fromkeys(p for p in drawn if p))
 
 
 @torch.no_grad()
 def _work(rank: int, processes: int, config: str, folder: str, batch_size: Optional[int]) -> None:
     if processes > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
-    method, data = _build(config)
+    method, data, drawn = _build(config)
     card, stage = method.card, method.stage
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     card.models.to(device)
@@ -91,9 +112,19 @@ def _work(rank: int, processes: int, config: str, folder: str, batch_size: Optio
         splits["val"] = val.dataset
     batch_size = batch_size or getattr(data, "batch_size", 8)
     encoders = stage.encoders
+    unloaded = [name for name in encoders if card.specs[name].precomputed]
+    if unloaded:
+        raise ValueError(f"preprocess: {unloaded} have precomputed: true, so they are not loaded and cannot encode the "
+                         f"rows; drop `precomputed` from {config!r} (posttrain fit sets it when it reads the rows)")
     versions = {name: card.versions[name] for name in encoders}
     stage.adapter.text(stage, [""])
     empty = {name: card.cache.row(name, versions[name], "")[None].cpu() for name in encoders}
+
+    def text_rows(prompts: list[str]) -> dict[str, torch.Tensor]:  # the training path: rows land in the card's cache
+        stage.adapter.text(stage, prompts)
+        return {name: torch.stack([card.cache.row(name, versions[name], p) for p in prompts]).cpu()
+                for name in encoders}
+
     report = {"splits": {}}
     for split, dataset in splits.items():
         indices = list(range(rank, len(dataset), processes))
@@ -103,9 +134,8 @@ def _work(rank: int, processes: int, config: str, folder: str, batch_size: Optio
             batch_prompts = [item["prompt"] for item in items]
             if "video" in items[0]:
                 latents.append(stage.encode(torch.stack([item["video"] for item in items]).to(device)).cpu())
-            stage.adapter.text(stage, batch_prompts)  # the training path: rows land in the card's cache
-            for name in encoders:
-                text[name].append(torch.stack([card.cache.row(name, versions[name], p) for p in batch_prompts]).cpu())
+            for name, rows in text_rows(batch_prompts).items():
+                text[name].append(rows)
             prompts += batch_prompts
         path = os.path.join(folder, precomputed.shard_name(split, rank, processes))
         report["splits"][split] = precomputed.write_shard(
@@ -114,7 +144,15 @@ def _work(rank: int, processes: int, config: str, folder: str, batch_size: Optio
     if rank == 0:
         sources = [stage.vae, *encoders] if "video" in splits["train"][0] else list(encoders)
         report["about"] = {"sources": {name: card.weights_digest(name) for name in sources},
+                           "origins": {name: precomputed.source_record(card.specs[name]) for name in sources},
                            "text_max_length": card.text_max_length,
                            "video": [method.video.frames, method.video.height, method.video.width] if "video" in splits["train"][0] else None}
+        if drawn:  # one shard of the callbacks' own prompts (SampleVideos), outside the splits
+            rows = [text_rows(drawn[i:i + batch_size]) for i in range(0, len(drawn), batch_size)]
+            entry = precomputed.write_shard(
+                os.path.join(folder, precomputed.shard_name(precomputed.SAMPLES, 0, 1)),
+                torch.arange(len(drawn)), drawn, None, {name: torch.cat([r[name] for r in rows]) for name in encoders},
+                empty)
+            report["about"][precomputed.SAMPLES] = {"count": len(drawn), "files": [entry]}
     with open(os.path.join(folder, f"part-{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -11,12 +11,16 @@ one safetensors shard per encoding process with
   empty prompt's (caption dropout, the unconditional branch of CFG),
 - the prompts, in the shard's metadata,
 
-and ``manifest.json``: the shards with their SHA-256 and row counts, the video size and text length, and the
-SHA-256 of the weights of every expert the rows came from. Loading verifies every shard's hash before reading
-it (safetensors: no pickle), and a training run refuses rows made by other weights or at another size.
+and ``manifest.json``: the shards with their SHA-256 and row counts, the video size and text length, the
+SHA-256 of the weights of every expert the rows came from (``sources``), the shard of the prompts the config's
+callbacks sample beyond the data (``samples``, laid out as a split), and each expert's source (``origins``:
+``source_record``, what a run compares when it does not load that expert). Loading verifies every shard's hash
+before reading it (safetensors: no pickle), and a training run refuses rows made by other weights or at another
+size.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Optional
@@ -25,10 +29,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.modules.models import presets
 from posttrain.modules.models.cache import file_hash
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+SAMPLES = "samples"  # the rows of the prompts a config's callbacks draw beyond the data (SampleVideos' own)
 
 
 def shard_name(split: str, rank: int, processes: int) -> str:
@@ -99,12 +105,87 @@ def read_manifest(folder: str) -> dict[str, Any]:
     return manifest
 
 
+# what an expert's weights are made of besides them: a source record of the same values builds the same weights
+SOURCE_KEYS = ("arch", "pretrained", "subfolder", "published", "preset", "dtype", "fp8")
+
+
+def source_record(spec: Any, recorded: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Where expert ``spec``'s (an ``Expert``) weights come from, without building it: its ``SOURCE_KEYS`` and
+    ``weights``, which names the weights themselves: a published model's name and seed; for stored weights (a
+    ``pretrained`` folder, a shipped asset) the SHA-256 of the bytes of its safetensors files and config.json
+    (``files_record``); None for random preset weights (or weights not in safetensors), which only the built model
+    names. ``recorded``: the record the rows keep, whose digest stands while every file keeps its size and time."""
+    record = {key: getattr(spec, key) for key in SOURCE_KEYS}
+    record["preset"] = dict(spec.preset)
+    if spec.published is not None:
+        from posttrain.modules.models import published
+
+        record["weights"] = {"seed": published.seed_of(spec.published, spec.arch, spec.subfolder)}
+    elif presets.loads_weights(spec.arch, spec.pretrained, spec.preset):
+        folder = presets.weights_folder(spec.arch, spec.pretrained, spec.subfolder)
+        record["weights"] = files_record(folder, (recorded or {}).get("weights"))
+    else:
+        record["weights"] = None
+    return record
+
+
+def files_record(folder: str, known: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """``{"folder", "files": {name: [bytes, mtime_ns]}, "sha256"}`` of a weights folder's safetensors files and
+    config.json: SHA-256 streamed over their names and bytes, in name order (1 MiB at a time: reading the files
+    takes no memory). Where ``known`` (an earlier record) names the same folder and every file still has its size
+    and modification time, its digest stands unread (as git's index and make trust a file's stat); None for a folder
+    without safetensors weights."""
+    try:
+        files = sorted(presets.weight_files(folder) + [os.path.join(folder, "config.json")])
+    except ValueError:
+        return None
+    folder = os.path.abspath(folder)
+    stats = {os.path.basename(path): [os.stat(path).st_size, os.stat(path).st_mtime_ns] for path in files
+             if os.path.isfile(path)}
+    if known is not None and known.get("folder") == folder and known.get("files") == stats:
+        return known
+    digest = hashlib.sha256()
+    for name in sorted(stats):
+        digest.update(f"{name}\0".encode())
+        with open(os.path.join(folder, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return {"folder": folder, "files": stats, "sha256": digest.hexdigest()}
+
+
+def source_problems(name: str, recorded: Optional[dict[str, Any]], spec: Any) -> list[str]:
+    """How expert ``name`` (``spec``, not loaded) differs from the source the rows record (``recorded``): a source
+    key, or weights of another digest or seed (a ``pretrained`` folder may move: its files' digest is compared)."""
+    if recorded is None:
+        return [f"the rows record no source of expert {name!r} (written before `posttrain preprocess` recorded "
+                f"sources), and it is not loaded (precomputed) to compare its weights"]
+    current = source_record(spec, recorded)
+    problems = [f"expert {name!r} {key} {current[key]!r} (rows: {recorded.get(key)!r})" for key in SOURCE_KEYS
+                if key != "pretrained" and current[key] != recorded.get(key)]
+    have, want = current["weights"], recorded.get("weights")
+    if have is None or want is None:
+        problems.append(f"expert {name!r}: the rows or the card name no weights that can be checked without "
+                        f"loading it (random preset weights, or weights not in safetensors); load it "
+                        f"(--model.init_args.card.experts.{name}.precomputed false)")
+    else:
+        key = "seed" if "seed" in want else "sha256"  # a published build's seed, a folder's files digest
+        if have.get(key) != want.get(key):
+            where = spec.pretrained or (f"published {spec.published!r}" if spec.published else "the shipped asset")
+            problems.append(f"expert {name!r} has other weights than the ones the rows were made with ({where}: "
+                            f"{key} {have.get(key)} vs rows {want.get(key)})")
+    return problems
+
+
 def mismatches(manifest: dict[str, Any], digests: dict[str, str], text_max_length: int,
-               video: Optional[tuple[int, int, int]]) -> list[str]:
-    """How the rows' sources differ from a run's experts (``digests``: expert -> weights SHA-256)."""
+               video: Optional[tuple[int, int, int]], unloaded: Optional[dict[str, Any]] = None) -> list[str]:
+    """How the rows' sources differ from a run's experts (``digests``: expert -> weights SHA-256; ``unloaded``:
+    expert -> ``Expert`` of those not loaded, compared by their source: ``source_problems``)."""
     problems = []
+    unloaded = unloaded or {}
     for name, digest in manifest["sources"].items():
-        if name not in digests:
+        if name in unloaded:
+            problems += source_problems(name, (manifest.get("origins") or {}).get(name), unloaded[name])
+        elif name not in digests:
             problems.append(f"the rows come from expert {name!r}, which this card does not have")
         elif digests[name] != digest:
             problems.append(f"expert {name!r} has other weights than the ones the rows were made with")

@@ -31,14 +31,16 @@ class EmbeddingCache:
         self.max_entries = max_entries
         self.device = device  # where rows are kept; None = where they were computed
         self._store: OrderedDict[tuple[str, int, str], torch.Tensor] = OrderedDict()
+        # rows never dropped for room (``put(pin=True)``): those of an encoder that cannot compute them again
+        self._pinned: dict[tuple[str, int, str], torch.Tensor] = {}
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._store)
+        return len(self._store) + len(self._pinned)
 
     def keys_of(self, component: str) -> list[tuple[str, int, str]]:
-        return [key for key in self._store if key[0] == component]
+        return [key for key in [*self._pinned, *self._store] if key[0] == component]
 
     @property
     def hit_rate(self) -> float:
@@ -49,7 +51,7 @@ class EmbeddingCache:
                        compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
         """Stack of cached rows for ``texts``; missing unique texts are computed in one batch."""
         keys = [(component, version, content_hash(t)) for t in texts]
-        missing = list(dict.fromkeys(t for t, k in zip(texts, keys) if k not in self._store))
+        missing = list(dict.fromkeys(t for t, k in zip(texts, keys) if k not in self._store and k not in self._pinned))
         # a miss is a text that had to be encoded; a row repeated in the call (a group of K) is a hit
         self.misses += len(missing)
         self.hits += len(texts) - len(missing)
@@ -62,6 +64,8 @@ class EmbeddingCache:
         for key in keys:
             if key in fresh:
                 out.append(fresh[key])
+            elif key in self._pinned:
+                out.append(self._pinned[key])
             else:
                 self._store.move_to_end(key)
                 out.append(self._store[key])
@@ -71,11 +75,15 @@ class EmbeddingCache:
             self._store.popitem(last=False)
         return torch.stack(out)
 
-    def put(self, component: str, version: int, texts: list[str], rows: torch.Tensor) -> None:
+    def put(self, component: str, version: int, texts: list[str], rows: torch.Tensor, pin: bool = False) -> None:
         """Store precomputed ``rows`` (one per text) as ``component``'s entries of ``version`` (counted as
-        neither hit nor miss: the lookup that uses them is the hit)."""
+        neither hit nor miss: the lookup that uses them is the hit); ``pin``: never dropped for room (beyond
+        ``max_entries``: the few rows a run needs all along, of an encoder that is not loaded)."""
         for text, row in zip(texts, rows):
             key = (component, version, content_hash(text))
+            if pin or key in self._pinned:
+                self._pinned[key] = row if self.device is None else row.to(self.device)
+                continue
             self._store[key] = row if self.device is None else row.to(self.device)
             self._store.move_to_end(key)
         while len(self._store) > self.max_entries:
@@ -83,11 +91,13 @@ class EmbeddingCache:
 
     def row(self, component: str, version: int, text: str) -> torch.Tensor:
         """The cached row of ``text`` (KeyError when it is not cached)."""
-        return self._store[(component, version, content_hash(text))]
+        key = (component, version, content_hash(text))
+        return self._pinned[key] if key in self._pinned else self._store[key]
 
     def invalidate(self, component: str, keep_version: int | None = None) -> int:
         """Drop ``component``'s entries (those of other versions than ``keep_version``); returns how many."""
-        stale = [k for k in self._store if k[0] == component and k[1] != keep_version]
+        stale = [k for k in [*self._store, *self._pinned] if k[0] == component and k[1] != keep_version]
         for key in stale:
-            del self._store[key]
+            self._store.pop(key, None)
+            self._pinned.pop(key, None)
         return len(stale)

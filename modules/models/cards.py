@@ -23,7 +23,7 @@ from torch import nn
 
 from posttrain.modules.models import fp8, presets
 from posttrain.modules.models.cache import EmbeddingCache
-from posttrain.modules.models.parked import Parked
+from posttrain.modules.models.parked import Parked, Unloaded
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -92,11 +92,17 @@ class Expert:
     # net's activations follow; values unchanged, kernels rounded differently (~1e-5). What pays: a VAE on the CPU,
     # whose decoder normalises over channels (bench/decode.py)
     channels_last: bool = False
+    # a frozen text encoder whose rows come precomputed (`posttrain preprocess`, then `--data PrecomputedVideos`):
+    # built on the meta device (shapes and dtype only: no weight file read, nothing allocated) and never moved; a
+    # prompt not among the cached rows is an error naming it. None: follow the data (`posttrain fit` sets true on the
+    # frozen text encoders whose rows a PrecomputedVideos folder holds: lit/tools/config.py); false: always load it
+    precomputed: Optional[bool] = None
 
     def __post_init__(self):
         # `--…experts.NAME.init_from null` on the command line reaches a dict-valued card as the string 'None'
         # (jsonargparse 4.x, through the model's class_path); read it, and 'null', as the null it was
-        for key in ("pretrained", "published", "subfolder", "tokenizer", "init_from", "attention_backend"):
+        for key in ("pretrained", "published", "subfolder", "tokenizer", "init_from", "attention_backend",
+                    "precomputed"):
             if getattr(self, key) in ("None", "null"):
                 setattr(self, key, None)
 
@@ -119,6 +125,31 @@ def published_problems(name: str, spec: Expert) -> list[str]:
             published.component(spec.published, spec.arch, spec.subfolder)
         except ValueError as err:
             problems.append(str(err))
+    return problems
+
+
+def precomputed_problems(name: str, spec: Expert) -> list[str]:
+    """What keeps expert ``name`` from ``precomputed: true``: only a frozen text encoder whose weights a source names
+    (a file, the shipped asset, a published seed) may stay unloaded, its rows checked against that source."""
+    problems = []
+    fix = f"or set experts.{name}.precomputed: false"
+    if spec.arch in presets.PRESETS and presets.architecture(spec.arch).kind != "text_encoder":
+        problems.append(f"precomputed: true, but {spec.arch!r} is no text encoder (only text-encoder rows come "
+                        f"precomputed); set experts.{name}.precomputed: false")
+    if spec.trainable or spec.lora is not None:
+        problems.append(f"precomputed: true leaves the model unloaded, and {name!r} trains "
+                        f"({'a LoRA adapter' if spec.lora is not None else 'trainable: true'}); {fix}")
+    if spec.sharded:
+        problems.append(f"precomputed: true with sharded: true: nothing of an unloaded model is there to shard; drop "
+                        f"sharded, {fix}")
+    if spec.init_from is not None:
+        problems.append(f"precomputed: true with init_from={spec.init_from!r}: an unloaded model takes no weights; "
+                        f"{fix}")
+    if spec.arch in presets.PRESETS and spec.published is None and \
+            not presets.loads_weights(spec.arch, spec.pretrained, spec.preset):
+        problems.append(f"precomputed: true, but its weights are random preset weights (preset {spec.preset}), which "
+                        f"no record of the rows can name: only the built model tells whether the rows are its; give "
+                        f"it a `pretrained` folder (or no preset override, for the shipped asset), {fix}")
     return problems
 
 
@@ -177,6 +208,7 @@ class ModelCard(nn.Module):
         self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
         self.offload_encoders = offload_encoders
         self.parked: dict[str, Parked] = {}  # path of a module kept in host memory (``park``)
+        self.guards: dict[str, Unloaded] = {}  # expert built on the meta device (``Expert.precomputed``)
 
     def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
         """Expert ``name``'s optimizer over ``params``; a refused setting names the expert's option."""
@@ -242,6 +274,11 @@ class ModelCard(nn.Module):
             if spec.attention_backend is not None and spec.arch not in presets.DIFFUSERS_ARCHS:
                 problems.append(f"expert {name!r}: attention_backend is a diffusers option; {spec.arch!r} is a "
                                 f"transformers model")
+            if spec.precomputed:
+                problems += [f"expert {name!r}: {problem}" for problem in precomputed_problems(name, spec)]
+            if spec.init_from is not None and self.specs.get(spec.init_from, spec).precomputed:
+                problems.append(f"expert {name!r}: init_from={spec.init_from!r}, whose weights are not loaded "
+                                f"(precomputed: true); set experts.{spec.init_from}.precomputed: false")
         if missing:  # never "drop `pretrained`": that would train the tiny preset in its place
             problems.append("give a local folder holding the weights: download them once (nothing downloads at run "
                             "time) with " + "; ".join(f"`huggingface-cli download <repo> --local-dir {folder}`"
@@ -300,6 +337,10 @@ class ModelCard(nn.Module):
         copied = {name for name, spec in self.specs.items() if spec.init_from is not None} | {
             spec.init_from for spec in self.specs.values() if spec.init_from is not None}
         for name, spec in self.specs.items():
+            if spec.precomputed:  # shapes and dtype only: nothing read, nothing allocated (fp8 quantizes nothing)
+                built[name] = presets.build_model(spec.arch, spec.pretrained, spec.subfolder, spec.preset,
+                                                  dtype_of(spec.dtype), published=spec.published, device="meta")
+                continue
             try:
                 model = build_expert(name, spec) if build_expert is not None else None
                 built[name] = model if model is not None else presets.build_model(
@@ -322,6 +363,10 @@ class ModelCard(nn.Module):
             tokenizer = presets.tokenizer_of(spec.arch, spec.tokenizer, model.config)
             if tokenizer is not None:
                 self.tokenizers[name] = tokenizer
+            if spec.precomputed:  # frozen, never moved, never run (``Unloaded``)
+                self.models[name] = freeze(model)
+                self.guards[name] = Unloaded(model, name)
+                continue
             if spec.fp8 and name in copied:
                 fp8.quantize(model)
             if spec.fp8 and not fp8.is_quantized(model):
@@ -443,7 +488,7 @@ class ModelCard(nn.Module):
         for name, spec in self.specs.items():
             rebuilt = presets.loads_weights(spec.arch, spec.pretrained, spec.preset) or spec.published is not None
             frozen_part = not spec.trainable or spec.lora is not None
-            if rebuilt and frozen_part and spec.init_from is None and name in self.models:
+            if rebuilt and frozen_part and spec.init_from is None and name in self.models and not spec.precomputed:
                 names.append(name)
         return names
 
@@ -462,6 +507,9 @@ class ModelCard(nn.Module):
     def weights_digest(self, name: str, frozen_only: bool = False) -> str:
         """SHA-256 of expert ``name``'s weights (names, dtypes, shapes, bytes), to tell that a source changed;
         ``frozen_only``: of the weights that never train (``frozen_state``: a LoRA expert's base)."""
+        if self.specs.get(name) is not None and self.specs[name].precomputed:
+            raise ValueError(f"expert {name!r} is not loaded (precomputed: true): it has no weights to digest; "
+                             f"compare its source instead (modules/io/precomputed.py `source_record`)")
         digest = hashlib.sha256()
         state = self.frozen_state(name) if frozen_only else self.models[name].state_dict()
         for key, tensor in sorted(state.items()):
@@ -478,15 +526,24 @@ class ModelCard(nn.Module):
     def text_embeds(self, encoder: str, prompts: list[str],
                     compute: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
         """(B, ...) rows of frozen-encoder outputs for ``prompts``, cached by (encoder, version, prompt);
-        ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how)."""
+        ``compute(missing)`` encodes the prompts not cached yet (the generator adapter knows how); for an encoder not
+        loaded (``precomputed``) a prompt not cached is an error naming it."""
+        if encoder in self.guards:
+            compute = self.guards[encoder].refuse
         return self.cache.get_or_compute(encoder, self.versions[encoder], prompts, compute)
+
+    @property
+    def unloaded(self) -> list[str]:
+        """The experts built on the meta device because their rows come precomputed (``Expert.precomputed``)."""
+        return [name for name, spec in self.specs.items() if spec.precomputed]
 
     def offload_paths(self, stage: Any, latents: bool) -> list[str]:
         """What ``offload_encoders`` keeps in host memory for the generator ``stage`` (``GeneratorStage``): its frozen
         text encoders, and its VAE's encoder where every batch brings its latents (``latents``: a ``latents_cache``,
         ``PrecomputedVideos``) and the generator reads no conditioning image (``park`` refuses a VAE that trains).
         The run parks these (``lit.engine.encoders``), ``posttrain estimate`` counts them in host memory."""
-        paths = [name for name in stage.encoders if not self.specs[name].trainable]
+        paths = [name for name in stage.encoders  # an unloaded encoder has nothing to park
+                 if not self.specs[name].trainable and not self.specs[name].precomputed]
         vae = self.models[stage.vae] if stage.vae in self.models else None
         if latents and not stage.takes_image and isinstance(getattr(vae, "encoder", None), nn.Module):
             paths.append(f"{stage.vae}.encoder")

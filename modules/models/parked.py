@@ -1,5 +1,7 @@
-"""Frozen modules kept in host memory between calls (``ModelCard.park``): each call brings the weights to the device
-and drops them after, whatever moves the module's parent."""
+"""Frozen modules kept where they are, whatever moves their parent (Lightning's ``model.to(device)``): ``Parked``, in
+host memory between calls (``ModelCard.park``), each call bringing the weights to the device and dropping them after;
+``Unloaded``, a text encoder built on the meta device because its rows come precomputed (``Expert.precomputed``),
+which no call may run."""
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +71,40 @@ class Parked:
         return _moved(output, self._caller)
 
 
+class Unloaded:
+    """A frozen text encoder of expert ``name`` built on the meta device (shapes and dtype, no weights): it stays there
+    when its parent moves, and a call to it raises ``error`` (what a meta model would compute is no embedding)."""
+
+    def __init__(self, module: nn.Module, name: str):
+        self.name = name
+        module.register_forward_pre_hook(self._refuse, with_kwargs=True)
+        for sub in module.modules():
+            sub._apply = functools.partial(_kept, sub)
+
+    def error(self, prompts: Optional[list[str]] = None) -> ValueError:
+        """The error of a call: the prompts (when the caller knows them) whose rows are not cached, and the fix."""
+        if prompts is None:
+            what = "a call reached it with inputs whose rows are not cached"
+        else:
+            shown = ", ".join(repr(p if len(p) <= 60 else p[:57] + "...") for p in prompts[:3])
+            what = f"{len(prompts)} prompt(s) are not among its rows: {shown}" + (
+                f" and {len(prompts) - 3} more" if len(prompts) > 3 else "")
+        return ValueError(f"text encoder {self.name!r} is not loaded (precomputed: true: its rows come from `posttrain "
+                          f"preprocess`), and {what}. Add them to what `posttrain preprocess` encodes (the data's "
+                          f"prompts, a callback's sample prompts) and run it again with --overwrite true, or load the "
+                          f"encoder: --model.init_args.card.experts.{self.name}.precomputed false")
+
+    def refuse(self, prompts: list[str]) -> Any:
+        """``compute`` of the encoder's cache lookups (``ModelCard.text_embeds``): the prompts that missed, named."""
+        raise self.error(prompts)
+
+    def _refuse(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise self.error()
+
+
 def _kept(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
-    """``nn.Module._apply`` of a parked module: nothing moves it (``Parked`` does)."""
+    """``nn.Module._apply`` of a parked or unloaded module: nothing moves it (``Parked`` does; ``Unloaded`` holds
+    nothing to move)."""
     return module
 
 
