@@ -179,6 +179,11 @@ class ExpertModule(ExactResume, DeferredLogging):
         self.check_sizes()
         if self.card.unloaded:  # meta tensors: nothing for DDP to broadcast or check
             ddp_ignore(self, self.card.unloaded)
+        offloaded = [name for name, spec in self.card.specs.items() if spec.offload_weights]
+        if offloaded and self._trainer is not None:  # before the strategy moves the module: they stay on the host
+            for name in offloaded:
+                self.card.park(name, self.trainer.strategy.root_device)
+            ddp_ignore(self, offloaded)
         if self.card.offload_encoders and self._trainer is not None and self.trainer.state.fn == "fit":
             offload_encoders(self)  # before the strategy moves the module: parked encoders never reach the device
 

@@ -24,6 +24,8 @@ from posttrain.modules.rl.rollout import Rollout
 from tests.conftest import TINY_WAN, adamw
 from tests.helpers import quick_trainer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
@@ -388,6 +390,58 @@ def test_the_frozen_expert_can_wait_in_host_memory():
     assert torch.equal(module.generate(PROMPTS, seed=0, latents_only=True), before) and parked.calls == 3
     with pytest.raises(ValueError, match="expert 'transformer_2' trains"):
         module.card.park("transformer_2", torch.device("cpu"))
+
+
+def test_offload_weights_keeps_the_frozen_expert_in_host_memory_through_a_fit():
+    """``offload_weights: true`` on the frozen expert of a pair: parked at the start of fit, before the module moves,
+    its weights unchanged by training; refused on an expert that trains."""
+    card = pair_card(trains=("transformer_2",))
+    card.specs["transformer"].offload_weights = True
+    module = Finetune(card, sampler=FlowMatchSampler(num_steps=4), run=RUN)
+    before = None
+
+    def keep(trainer, pl_module):
+        nonlocal before
+        before = weights(pl_module.card, "transformer")
+
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    quick_trainer(2, callbacks=[LambdaCallback(on_fit_start=keep)]).fit(
+        module, SyntheticVideos(num_samples=8, batch_size=2, frames=5, height=16, width=16))
+    assert "transformer" in card.parked and "transformer_2" not in card.parked
+    after = weights(card, "transformer")
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+    with pytest.raises(ValueError, match="expert 'transformer_2': offload_weights keeps a frozen expert's weights in "
+                                         "host memory, but it trains"):
+        ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
+                   "transformer": Expert(arch="wan_t2v", preset=TINY_WAN),
+                   "transformer_2": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(1e-2),
+                                           offload_weights=True)}, text_max_length=32, boundary_ratio=0.875)
+
+
+def test_estimate_counts_a_pairs_activations_once_and_offloaded_weights_on_the_host(tmp_path):
+    """Each row runs one expert of the pair: the two experts' training activations are counted once; a frozen expert
+    with ``offload_weights`` is in the host column."""
+    from posttrain.lit.tools.estimate import estimate
+
+    config = os.path.join(ROOT, "configs", "flow_grpo_wan22.yaml")
+    both = {c.name: c for c in estimate(config).components}
+    assert both["transformer"].activation_bytes > 0 and both["transformer_2"].activation_bytes == 0
+    assert any("activations counted once, on 'transformer'" in n for n in both["transformer_2"].notes)
+    text = open(config).read()
+    start, end = text.index("        transformer_2:  # low noise\n"), text.index("      text_max_length:")
+    frozen = text[:start] + ("        transformer_2:  # low noise, frozen, in host memory between its steps\n"
+                             "          arch: wan_t2v\n          pretrained: modules/assets/wan22_t2v\n"
+                             "          subfolder: transformer_2\n          offload_weights: true\n") + text[end:]
+    path = tmp_path / "frozen_low.yaml"
+    path.write_text(frozen)
+    low = {c.name: c for c in estimate(str(path)).components}["transformer_2"]
+    assert low.param_bytes == 0 and low.host_bytes == both["transformer_2"].param_bytes and "host" in low.placement
+    with pytest.raises(ValueError, match="offload_weights keeps a frozen expert's weights in host memory, but it "
+                                         "trains"):
+        path.write_text(text.replace("          subfolder: transformer_2\n",
+                                     "          subfolder: transformer_2\n          offload_weights: true\n"))
+        estimate(str(path))
 
 
 def test_flow_grpo_refuses_an_sde_window_outside_the_trained_experts_range():

@@ -226,6 +226,12 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
     components += reward_memory(getattr(method, "reward", None))
     offloaded_encoders(components, card, method, cfg)
     for c in components:
+        spec = card.specs.get(c.name)
+        if spec is not None and spec.offload_weights:  # ModelCard.park at the start of the run
+            c.host_bytes, c.param_bytes = c.host_bytes + c.param_bytes, 0
+            c.placement += ", host"
+            c.notes.append("offload_weights: in host memory, copied to the device for each call")
+    for c in components:
         if c.name in card.unloaded:  # PrecomputedVideos data: on the meta device, never loaded (apply_precomputed)
             c.param_bytes = c.host_bytes = 0
             c.placement = "not loaded"
@@ -233,18 +239,22 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
 
     # 3. activations of the trainable experts' training forward
     if activations:
+        stage = getattr(method, "stage", None)
+        generators = {generator, getattr(stage, "transformer_2", None)} - {None}  # a pair of noise experts: both
+        saved_on_host: dict[str, int] = {}
         for c in components:
             spec = card.specs.get(c.name)
             if spec is None or not spec.trainable:
                 continue
             try:
-                c.activation_bytes, host, note = activation_bytes(spec, card, method, rows if c.name == generator
-                                                                  else whole_rows, cast, autocast, degree)
-                c.host_bytes += host
+                c.activation_bytes, saved_on_host[c.name], note = activation_bytes(
+                    spec, card, method, rows if c.name in generators else whole_rows, cast, autocast, degree)
+                c.host_bytes += saved_on_host[c.name]
             except Exception as err:  # an architecture the trace cannot run: say so, keep the rest
                 c.activation_bytes, note = None, f"activations not estimated ({type(err).__name__}: {err})"
             if note:
                 c.notes.append(note)
+        pair_activations_once(components, stage, saved_on_host)
     if autocast is not None:
         rows_note += f", {autocast} autocast"
     return MemoryEstimate(config, devices, num_nodes, components, rows_note, degree)
@@ -495,6 +505,20 @@ def offloaded_encoders(components: list[ComponentMemory], card: ModelCard, metho
 
 
 # ---------------------------------------------------------------------- activations
+def pair_activations_once(components: list[ComponentMemory], stage, saved_on_host: dict[str, int]) -> None:
+    """A pair of noise experts (``transformer``, ``transformer_2``: one architecture) runs each row and each step
+    through one expert, so the training forward's activations are those of one expert over all rows, never of both:
+    counted once (device, and host with ``offload_activations``), on the expert with the larger figure."""
+    if stage is None or stage.transformer_2 is None:
+        return
+    pair = [c for c in components if c.name in (stage.transformer, stage.transformer_2) and c.activation_bytes]
+    if len(pair) == 2:
+        kept, dropped = sorted(pair, key=lambda c: c.activation_bytes, reverse=True)
+        dropped.activation_bytes = 0
+        dropped.host_bytes -= saved_on_host.get(dropped.name, 0)
+        dropped.notes.append(f"activations counted once, on {kept.name!r}: a row or a step runs one expert of the pair")
+
+
 def activation_rows(method, data_batch: int, micro: bool = True) -> tuple[int, str]:
     """Rows of one training forward of the generator, and how they were counted (``micro``: at most the
     method's ``grpo.micro_batch_size``, which only the generator's forward follows)."""

@@ -76,6 +76,10 @@ class Expert:
     # the tensors the training forward saves for backward (with gradient checkpointing: the block inputs) go to
     # host memory during the forward and come back for backward (torch.autograd.graph.save_on_cpu)
     offload_activations: bool = False
+    # a frozen expert's weights wait in host memory (pinned on CUDA) and come to the device for each call, from the
+    # start of fit, validate or predict (``Parked``): the frozen expert of a pair of noise experts, which runs only the
+    # steps of its range, or a frozen teacher. Costs one copy of the weights over the link per call
+    offload_weights: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
     # the Linear layers of its blocks stored in float8 (e4m3, a scale per output channel; optimum-quanto) and computed
     # in `dtype`: a frozen expert, or the base of a LoRA expert (the adapter stays in `dtype`); modules/models/fp8.py
@@ -276,6 +280,11 @@ class ModelCard(nn.Module):
                                 f"transformers model")
             if spec.precomputed:
                 problems += [f"expert {name!r}: {problem}" for problem in precomputed_problems(name, spec)]
+            if spec.offload_weights and (spec.trainable or spec.lora is not None or spec.sharded or spec.precomputed):
+                why = "it trains" if spec.trainable or spec.lora is not None else \
+                    "DeepSpeed places a sharded expert" if spec.sharded else "it is not loaded (precomputed)"
+                problems.append(f"expert {name!r}: offload_weights keeps a frozen expert's weights in host memory, "
+                                f"but {why}; drop offload_weights")
             if spec.init_from is not None and self.specs.get(spec.init_from, spec).precomputed:
                 problems.append(f"expert {name!r}: init_from={spec.init_from!r}, whose weights are not loaded "
                                 f"(precomputed: true); set experts.{spec.init_from}.precomputed: false")
