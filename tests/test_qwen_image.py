@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, Qwen2Tokenizer
 from posttrain.callbacks.parity import LogProbParityCheck
 from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs
+from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.tools.cli import main
 from posttrain.lit.tools.estimate import estimate
@@ -197,6 +198,23 @@ def test_flow_grpo_keeps_log_probability_parity(one_thread):
     assert parity.checks == 3 and parity.last_gap < 1e-5
     assert card.versions["transformer"] == 3
     assert any(not torch.equal(before[k], v) for k, v in card["transformer"].state_dict().items())
+
+
+def test_diffusion_nft_trains(one_thread):
+    """DiffusionNFT (K = 2 rollouts a prompt, the masked text of two prompt lengths): two iterations move the
+    transformer, each a version, with its ``old`` copy blended behind it."""
+    card = qwen_card(lr=1e-3)
+    model = DiffusionNFT(card, reward=ColourAlignment(),
+                         sampler=FlowMatchSampler(num_steps=4, scheduler=qwen_scheduler()),
+                         grpo=GRPOArgs(num_samples_per_prompt=2), run=RunArgs(frames=1, height=32, width=32))
+    model.configure_model()
+    before = {k: v.clone() for k, v in card["transformer"].state_dict().items()}
+    quick_trainer(2).fit(model, Prompts(prompts=PROMPTS, batch_size=2))
+    after = card["transformer"].state_dict()
+    assert card.versions["transformer"] == 2
+    assert any(not torch.equal(before[k], v) for k, v in after.items())
+    old = card.models[model.old].state_dict()
+    assert any(not torch.equal(old[k], after[k]) for k in after)
 
 
 @pytest.mark.parametrize("config", ["finetune_qwen_image.yaml", "flow_grpo_qwen_image.yaml"])

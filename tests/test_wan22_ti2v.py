@@ -17,6 +17,7 @@ from lightning.pytorch import Callback
 from posttrain.callbacks.parity import LogProbParityCheck
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
+from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.tools.cli import main
@@ -155,6 +156,24 @@ def test_flow_grpo_image_to_video_passes_its_logprob_parity_check(tmp_path, one_
     assert parity.checks == 1 and parity.last_gap < 1e-5
     after = module.card["transformer"].state_dict()
     assert any(not torch.equal(snapshot.before[k], after[k]) for k in snapshot.before)
+
+
+def test_diffusion_nft_image_to_video_trains_and_keeps_its_old_copy_behind(tmp_path, one_thread):
+    """DiffusionNFT in image-to-video (each clip's first frame, K = 2 rows per prompt): two iterations move the
+    transformer, and its ``old`` copy, blended toward it after each step, is a version behind and not equal."""
+    snapshot = Snapshot()
+    module = DiffusionNFT(ti2v_card("wan22_ti2v_i2v", lr=1e-2), reward=ColourAlignment(),
+                          sampler=FlowMatchSampler(num_steps=4), grpo=GRPOArgs(num_samples_per_prompt=2),
+                          run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
+    quick_trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[snapshot]).fit(
+        module, SyntheticVideos(num_samples=4, batch_size=2, frames=SIZE.frames, height=SIZE.height,
+                                width=SIZE.width))
+    card = module.card
+    after = card["transformer"].state_dict()
+    assert card.versions["transformer"] == 2
+    assert any(not torch.equal(snapshot.before[k], after[k]) for k in snapshot.before)
+    old = card.models[module.old].state_dict()
+    assert any(not torch.equal(old[k], after[k]) for k in after)
 
 
 @pytest.mark.parametrize("arch", ["wan22_ti2v", "wan22_ti2v_i2v"])
