@@ -148,3 +148,19 @@ def late_windows(videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     for window in windows(videos)[1:]:
         metric.update(window, prompts)
     return {k: float(v) for k, v in metric.compute().items()}
+
+
+def fit_shipped_config_once(config: str, folder, data: dict) -> None:
+    """``posttrain fit --config configs/<config>`` in this process for one iteration on ``data`` (a class_path and
+    init_args), no validation and no logger (a second W&B run in one process would join the first one's); its last
+    checkpoint is written under ``folder``."""
+    import json
+
+    from posttrain.lit.tools.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    main(["fit", "--config", os.path.join(root, "configs", config), "--trainer.max_steps", "1",
+          "--trainer.default_root_dir", str(folder), "--trainer.limit_val_batches", "0",
+          "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+          "--data", json.dumps(data)])
+    assert os.path.exists(os.path.join(folder, "checkpoints", "last.ckpt"))

@@ -90,6 +90,25 @@ def test_activation_estimate_matches_a_real_forward(tmp_path):
     assert_matches_a_real_forward(path, "wan_t2v", preset, estimated)
 
 
+def shipped_config_estimate_matches_a_real_forward(tmp_path, config: str, arch: str, preset: dict,
+                                                  **expert_keys) -> None:
+    """``posttrain estimate`` of ``configs/<config>`` with the transformer's ``preset`` and 2 rows a batch
+    (``expert_keys``: {expert: {key: value}} more settings) against a real forward (``assert_matches_a_real_forward``)."""
+    with open(os.path.join(ROOT, "configs", config)) as f:
+        cfg = yaml.safe_load(f)
+    experts = cfg["model"]["init_args"]["card"]["experts"]
+    experts["transformer"]["preset"] = preset
+    for name, keys in expert_keys.items():
+        experts[name].update(keys)
+    cfg["data"]["init_args"]["batch_size"] = 2
+    path = os.path.join(tmp_path, config)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    estimated = estimate(path)["transformer"].activation_bytes
+    assert estimated > 0
+    assert_matches_a_real_forward(path, arch, preset, estimated)
+
+
 def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated: int) -> None:
     """The bytes a real 2-row training forward of ``arch`` (``preset``, config ``path``'s card and size) saves for
     backward, outside the parameters, are ``estimated`` within 5%."""
@@ -110,15 +129,8 @@ def assert_matches_a_real_forward(path: str, arch: str, preset: dict, estimated:
 def test_flux_activation_estimate_matches_a_real_forward(tmp_path):
     """FLUX has two kinds of block (double- and single-stream): each is extrapolated from its own trace; 3 + 3
     blocks, 2 rows of 32x32 images, against the real saved tensors."""
-    preset = {"num_layers": 3, "num_single_layers": 3}
-    with open(os.path.join(ROOT, "configs", "finetune_flux.yaml")) as f:
-        cfg = yaml.safe_load(f)
-    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["preset"] = preset
-    cfg["data"]["init_args"]["batch_size"] = 2
-    path = os.path.join(tmp_path, "flux.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    assert_matches_a_real_forward(path, "flux", preset, estimate(path)["transformer"].activation_bytes)
+    shipped_config_estimate_matches_a_real_forward(tmp_path, "finetune_flux.yaml", "flux",
+                                                   {"num_layers": 3, "num_single_layers": 3})
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from transformers import AutoTokenizer, Qwen2Tokenizer
 
@@ -18,8 +17,6 @@ from posttrain.datamodules.prompts import Prompts
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.flow_grpo import FlowGRPO
-from posttrain.lit.tools.cli import main
-from posttrain.lit.tools.estimate import estimate
 from posttrain.lit.tools.export import export
 from posttrain.modules.flow.samplers import FlowMatchSampler
 from posttrain.modules.models import presets
@@ -31,8 +28,8 @@ from posttrain.modules.models.generators.qwen_image import (DROP_TOKENS, MAX_PRO
 from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rl.grpo import GRPOArgs
 from tests.conftest import adamw
-from tests.helpers import quick_trainer
-from tests.test_estimate import assert_matches_a_real_forward
+from tests.helpers import fit_shipped_config_once, quick_trainer
+from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 from tests.test_export_generators import finetuned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,25 +223,11 @@ def test_qwen_image_configs_train_one_iteration(config, tmp_path, monkeypatch):
         data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}}
     else:
         data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
-    main(["fit", "--config", os.path.join(ROOT, "configs", config), "--trainer.max_steps", "1",
-          "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.limit_val_batches", "0",
-          "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-          "--data", json.dumps(data)])
-    assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    fit_shipped_config_once(config, tmp_path / "run", data)
 
 
 def test_activation_estimate_matches_a_real_forward(tmp_path):
     """``posttrain estimate`` on configs/finetune_qwen_image.yaml (3 blocks, 2 rows of 32x32 images, the full
     64-token text with its mask) against the bytes a real forward saves for backward."""
-    preset = {"num_layers": 3}
-    with open(os.path.join(ROOT, "configs", "finetune_qwen_image.yaml")) as f:
-        cfg = yaml.safe_load(f)
-    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["preset"] = preset
-    cfg["model"]["init_args"]["card"]["experts"]["text_encoder"]["tokenizer"] = TOKENIZER_ASSET
-    cfg["data"]["init_args"]["batch_size"] = 2
-    path = os.path.join(tmp_path, "qwen_image.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    result = estimate(path)
-    assert result["transformer"].placement == "single process" and result["transformer"].activation_bytes > 0
-    assert_matches_a_real_forward(path, "qwen_image", preset, result["transformer"].activation_bytes)
+    shipped_config_estimate_matches_a_real_forward(tmp_path, "finetune_qwen_image.yaml", "qwen_image",
+                                                   {"num_layers": 3}, text_encoder={"tokenizer": TOKENIZER_ASSET})

@@ -9,16 +9,14 @@ import os
 
 import pytest
 import torch
-import yaml
 from diffusers import StableDiffusion3Pipeline
 
 from posttrain.lit.base import RunArgs
-from posttrain.lit.tools.cli import main
-from posttrain.lit.tools.estimate import estimate
 from posttrain.lit.tools.export import export
 from posttrain.modules.models.cards import Expert, ModelCard
 from tests.conftest import adamw
-from tests.test_estimate import assert_matches_a_real_forward
+from tests.helpers import fit_shipped_config_once
+from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 from tests.test_export_generators import finetuned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,25 +63,11 @@ def test_sd3_configs_train_one_iteration(config, tmp_path):
         data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}}
     else:
         data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
-    main(["fit", "--config", os.path.join(ROOT, "configs", config), "--trainer.max_steps", "1",
-          "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.limit_val_batches", "0",
-          "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-          "--data", json.dumps(data)])  # no W&B run: a second in one process would join the first one's
-    assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    fit_shipped_config_once(config, tmp_path / "run", data)
 
 
 @pytest.mark.slow
 def test_sd3_activation_estimate_matches_a_real_forward(tmp_path):
     """``posttrain estimate`` on configs/finetune_sd3.yaml (3 blocks, 2 rows of 32x32 images) against the bytes a
     real forward saves for backward."""
-    preset = {"num_layers": 3}
-    with open(os.path.join(ROOT, "configs", "finetune_sd3.yaml")) as f:
-        cfg = yaml.safe_load(f)
-    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["preset"] = preset
-    cfg["data"]["init_args"]["batch_size"] = 2
-    path = os.path.join(tmp_path, "sd3.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    result = estimate(path)
-    assert result["transformer"].placement == "single process" and result["transformer"].activation_bytes > 0
-    assert_matches_a_real_forward(path, "sd3", preset, result["transformer"].activation_bytes)
+    shipped_config_estimate_matches_a_real_forward(tmp_path, "finetune_sd3.yaml", "sd3", {"num_layers": 3})

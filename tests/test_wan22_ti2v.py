@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import yaml
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from lightning.pytorch import Callback
 
@@ -20,8 +19,6 @@ from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
-from posttrain.lit.tools.cli import main
-from posttrain.lit.tools.estimate import estimate
 from posttrain.lit.tools.export import export
 from posttrain.modules.flow.losses import noised
 from posttrain.modules.flow.samplers import FlowMatchSampler, gaussian_log_prob
@@ -34,8 +31,8 @@ from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rl.grpo import GRPOArgs
 from posttrain.modules.rl.rollout import Rollout
 from tests.conftest import adamw
-from tests.helpers import quick_trainer
-from tests.test_estimate import assert_matches_a_real_forward
+from tests.helpers import fit_shipped_config_once, quick_trainer
+from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
@@ -311,11 +308,7 @@ def test_configs_train_one_iteration(config, tmp_path):
         data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 2, "batch_size": 2}}
     else:
         data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
-    main(["fit", "--config", os.path.join(ROOT, "configs", config), "--trainer.max_steps", "1",
-          "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.limit_val_batches", "0",
-          "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-          "--data", json.dumps(data)])
-    assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    fit_shipped_config_once(config, tmp_path / "run", data)
 
 
 def test_published_5b_builds_on_meta_with_its_parameter_count():
@@ -331,14 +324,5 @@ def test_published_5b_builds_on_meta_with_its_parameter_count():
 def test_activation_estimate_matches_a_real_forward(tmp_path):
     """``posttrain estimate`` on configs/finetune_wan22_ti2v.yaml (3 blocks, 2 rows of 9 x 64 x 64 clips, one timestep
     per token) against the bytes a real forward saves for backward."""
-    preset = {"num_layers": 3}
-    with open(os.path.join(ROOT, "configs", "finetune_wan22_ti2v.yaml")) as f:
-        cfg = yaml.safe_load(f)
-    cfg["model"]["init_args"]["card"]["experts"]["transformer"]["preset"] = preset
-    cfg["data"]["init_args"]["batch_size"] = 2
-    path = os.path.join(tmp_path, "ti2v.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    result = estimate(path)
-    assert result["transformer"].activation_bytes > 0
-    assert_matches_a_real_forward(path, "wan22_ti2v_i2v", preset, result["transformer"].activation_bytes)
+    shipped_config_estimate_matches_a_real_forward(tmp_path, "finetune_wan22_ti2v.yaml", "wan22_ti2v_i2v",
+                                                   {"num_layers": 3})
