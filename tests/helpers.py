@@ -150,13 +150,19 @@ def late_windows(videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     return {k: float(v) for k, v in metric.compute().items()}
 
 
-def fit_shipped_config_once(config: str, folder, data: dict) -> None:
+def fit_shipped_config_once(config: str, folder, data: Optional[dict] = None) -> None:
     """``posttrain fit --config configs/<config>`` in this process for one iteration on ``data`` (a class_path and
-    init_args), no validation and no logger (a second W&B run in one process would join the first one's); its last
-    checkpoint is written under ``folder``."""
+    init_args; default: 4 synthetic clips for a finetune config, 2 synthetic prompts for an RL one), no validation and
+    no logger (a second W&B run in one process would join the first one's); its last checkpoint is written under
+    ``folder``."""
     import json
 
     from posttrain.lit.tools.cli import main
+
+    if data is None:
+        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}} \
+            if config.startswith("finetune") else {"class_path": "Prompts", "init_args": {"num_synthetic": 2,
+                                                                                        "batch_size": 1}}
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     main(["fit", "--config", os.path.join(root, "configs", config), "--trainer.max_steps", "1",

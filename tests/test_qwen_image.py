@@ -219,11 +219,7 @@ def test_qwen_image_configs_train_one_iteration(config, tmp_path, monkeypatch):
     """The shipped configs through the command (in this process, from the repository root, where their tokenizer
     folder is): one finetune / FlowGRPO iteration (the FlowGRPO one under its LogProbParityCheck), a checkpoint."""
     monkeypatch.chdir(ROOT)
-    if config.startswith("finetune"):
-        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}}
-    else:
-        data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
-    fit_shipped_config_once(config, tmp_path / "run", data)
+    fit_shipped_config_once(config, tmp_path / "run")
 
 
 def test_activation_estimate_matches_a_real_forward(tmp_path):

@@ -59,11 +59,7 @@ def test_sd3_export_reproduces_predict(tmp_path, one_thread):
 @pytest.mark.parametrize("config", ["finetune_sd3.yaml", "flow_grpo_sd3.yaml"])
 def test_sd3_configs_train_one_iteration(config, tmp_path):
     """The shipped configs through the command (in this process): one finetune / FlowGRPO iteration, a checkpoint."""
-    if config.startswith("finetune"):
-        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}}
-    else:
-        data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
-    fit_shipped_config_once(config, tmp_path / "run", data)
+    fit_shipped_config_once(config, tmp_path / "run")
 
 
 @pytest.mark.slow

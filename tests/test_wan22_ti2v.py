@@ -33,6 +33,7 @@ from posttrain.modules.rl.rollout import Rollout
 from tests.conftest import adamw
 from tests.helpers import fit_shipped_config_once, quick_trainer
 from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
+from tests.test_export_generators import finetuned as export_finetuned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
@@ -196,15 +197,8 @@ class Snapshot(Callback):
 
 def finetuned(tmp_path, arch: str, guidance: float, scheduler=None):
     """Two finetune iterations (lr 1e-2, EMA 0.9, 4 sampler steps) of the tiny TI2V and the checkpoint."""
-    module = Finetune(ti2v_card(arch, lr=1e-2), caption_dropout=0.0, ema_decay=0.9,
-                      sampler=FlowMatchSampler(num_steps=4, guidance_scale=guidance, scheduler=scheduler),
-                      run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
-    trainer = quick_trainer(max_steps=2, default_root_dir=tmp_path)
-    trainer.fit(module, SyntheticVideos(num_samples=4, batch_size=2, frames=SIZE.frames, height=SIZE.height,
-                                        width=SIZE.width))
-    ckpt = tmp_path / "run.ckpt"
-    trainer.save_checkpoint(ckpt)
-    return module.eval(), str(ckpt)
+    return export_finetuned(tmp_path, ti2v_card(arch, lr=1e-2),
+                            RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width), guidance, scheduler)
 
 
 def test_text_to_video_export_reproduces_predict(tmp_path, one_thread):
@@ -304,11 +298,7 @@ def test_image_to_video_lora_exports_in_both_formats(tmp_path, one_thread):
 @pytest.mark.parametrize("config", ["finetune_wan22_ti2v.yaml", "flow_grpo_wan22_ti2v.yaml"])
 def test_configs_train_one_iteration(config, tmp_path):
     """The shipped configs through the command (in this process): one finetune / FlowGRPO iteration, a checkpoint."""
-    if config.startswith("finetune"):
-        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 2, "batch_size": 2}}
-    else:
-        data = {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
-    fit_shipped_config_once(config, tmp_path / "run", data)
+    fit_shipped_config_once(config, tmp_path / "run")
 
 
 def test_published_5b_builds_on_meta_with_its_parameter_count():
