@@ -164,6 +164,11 @@ class ExpertModule(ExactResume, DeferredLogging):
                             f"block-causal: set `arch: wan_t2v_causal`, or sampler.chunk_frames: null")
         if self.run.max_nan_steps < 1:
             problems.append(f"run.max_nan_steps={self.run.max_nan_steps} must be >= 1")
+        samplers = {"sampler": self.sampler, "rollout_sampler": getattr(self, "rollout_sampler", None)}
+        problems += [f"{key}.guidance_scale_2={sampler.guidance_scale_2} guides the low-noise expert of a pair of "
+                     f"noise experts, but `{self.stage.transformer}` has none (no `{self.stage.transformer}_2`, "
+                     f"boundary_ratio): drop guidance_scale_2" for key, sampler in samplers.items()
+                     if sampler is not None and sampler.guidance_scale_2 is not None and not pair]
         return problems
 
     # ------------------------------------------------------------------ setup
@@ -480,6 +485,7 @@ def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, siz
     scheduler = sampler.scheduler
     return {"scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
             "num_inference_steps": sampler.num_steps, "guidance_scale": sampler.guidance_scale,
+            **({} if sampler.guidance_scale_2 is None else {"guidance_scale_2": sampler.guidance_scale_2}),
             "sigmas": sampler.step_sigmas, "chunk_frames": sampler.chunk_frames,
             "max_sequence_length": stage.card.text_max_length, "num_frames": size.frames,
             "height": size.height, "width": size.width, "transformer": transformer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -129,18 +130,21 @@ def test_training_one_expert_leaves_the_other_bitwise_unchanged(trained):
     assert len(module.trainer.optimizers) == 1
 
 
-def flow_grpo(card: ModelCard, **grpo) -> FlowGRPO:
+def flow_grpo(card: ModelCard, sampler: Optional[FlowMatchSampler] = None, **grpo) -> FlowGRPO:
     """FlowGRPO on the default sampler (8 steps at shift 3: timesteps 1000, 947.5, 882.8 are >= 875, the rest
     below): every step stochastic and trained, K = 2."""
-    return FlowGRPO(card, sampler=FlowMatchSampler(num_steps=8),
+    return FlowGRPO(card, sampler=sampler or FlowMatchSampler(num_steps=8),
                     grpo=GRPOArgs(**{"num_samples_per_prompt": 2, "timestep_fraction": 1.0, "kl_beta": 0.004,
                                      **grpo}), run=RUN)
 
 
-def test_flow_grpo_logprob_parity_holds_on_steps_of_either_expert():
+@pytest.mark.parametrize("guidance", [(1.0, None), (4.0, 3.0)], ids=["no_cfg", "cfg4_low3"])
+def test_flow_grpo_logprob_parity_holds_on_steps_of_either_expert(guidance):
     """The log p recomputed through the pair reproduces the captured one on the high-noise steps and on the
-    low-noise steps (< 1e-5, float32); recomputed with one expert alone it does not (control)."""
-    module = flow_grpo(pair_card())
+    low-noise steps (< 1e-5, float32), also with each expert's own CFG scale (Wan 2.2 A14B's 4.0 and 3.0);
+    recomputed with one expert alone it does not (control)."""
+    module = flow_grpo(pair_card(), FlowMatchSampler(num_steps=8, guidance_scale=guidance[0],
+                                                     guidance_scale_2=guidance[1]))
     module.configure_model()
     stage, sampler = module.stage, module.rollout_sampler
     cond, uncond = module.conditioning(PROMPTS, sampler)
@@ -153,7 +157,9 @@ def test_flow_grpo_logprob_parity_holds_on_steps_of_either_expert():
     print(f"log-probability parity through the pair: high-noise steps {high:.1e}, low-noise steps {low:.1e}")
     assert high < 1e-5 and low < 1e-5
     alone = (rollout.recompute_log_probs("transformer_2") - rollout.traj.log_probs).abs()
-    assert alone[:3].max() > 1e-3 and alone[3:].max() < 1e-5  # transformer_2 alone is right only on its own steps
+    assert alone[:3].max() > 1e-3  # transformer_2 alone is wrong on the high-noise expert's steps
+    if guidance[1] is None:  # and right on its own (run alone it is no pair: it guides with guidance_scale)
+        assert alone[3:].max() < 1e-5
 
 
 def test_both_experts_train_under_flow_grpo_with_two_optimizers_and_two_versions():
@@ -191,12 +197,14 @@ def test_flow_grpo_trains_only_the_steps_of_the_expert_that_trains():
     assert card.versions == {**card.versions, "transformer": 0, "transformer_2": 1}
 
 
-@pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["no_cfg", "cfg3"])
+@pytest.mark.parametrize("guidance", [(1.0, None), (3.0, None), (3.0, 1.5)], ids=["no_cfg", "cfg3", "cfg3_low1.5"])
 def test_export_as_wan_pipeline_with_transformer_2_reproduces_predict(tmp_path, guidance):
     """Both experts finetuned with an EMA each, exported as one ``WanPipeline`` folder (``transformer``,
     ``transformer_2``, ``boundary_ratio`` in model_index.json); the pipeline from the same noise reproduces the
-    package's samples: max |Δ latents| < 1e-4 (float32). The boundary sits exactly on a step's timestep."""
-    sampler = FlowMatchSampler(num_steps=8, guidance_scale=guidance,
+    package's samples: max |Δ latents| < 1e-4 (float32), with one CFG scale or the low-noise expert's own
+    (``guidance_scale_2``). The boundary sits exactly on a step's timestep."""
+    guidance, guidance_2 = guidance
+    sampler = FlowMatchSampler(num_steps=8, guidance_scale=guidance, guidance_scale_2=guidance_2,
                                scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
     boundary = sampler.schedule().timesteps[3].item() / 1000
     module = Finetune(pair_card(boundary_ratio=boundary), sampler=sampler, caption_dropout=0.0, ema_decay=0.9, run=RUN)
@@ -211,6 +219,7 @@ def test_export_as_wan_pipeline_with_transformer_2_reproduces_predict(tmp_path, 
     assert pipe.config.boundary_ratio == boundary
     call = json.load(open(os.path.join(out, "serving.json")))
     assert call.pop("pipeline") == "WanPipeline" and call.pop("transformer") == "transformer_ema"
+    assert call.get("guidance_scale_2") == guidance_2
     for name in PAIR:  # the EMAs serve
         ema = module.card[f"{name}_ema"].state_dict()
         assert all(torch.equal(getattr(pipe, name).state_dict()[k], ema[k]) for k in ema)
@@ -219,9 +228,23 @@ def test_export_as_wan_pipeline_with_transformer_2_reproduces_predict(tmp_path, 
                         generator=torch.Generator().manual_seed(7))
     theirs = pipe(PROMPTS, latents=noise, output_type="latent", **call).frames
     gap = (ours - theirs).abs().max().item()
-    print(f"WanPipeline (transformer_2, boundary_ratio {boundary}) vs predict, guidance {guidance}: "
+    print(f"WanPipeline (transformer_2, boundary_ratio {boundary}) vs predict, guidance {guidance}/{guidance_2}: "
           f"max |Δ latents| = {gap:.2e}")
     assert gap < 1e-4
+    if guidance_2 is not None:  # the low-noise scale does reach the low-noise steps
+        module.sampler.guidance_scale_2 = None
+        assert (module.generate(PROMPTS, seed=7, latents_only=True) - ours).abs().max() > 1e-3
+
+
+def test_guidance_scale_2_needs_a_pair_and_cfg():
+    """``guidance_scale_2`` without CFG, or on a card with one generator, is refused by name."""
+    with pytest.raises(ValueError, match="guidance_scale_2=3.0 guides the low-noise expert .* guidance_scale is 1"):
+        FlowMatchSampler(guidance_scale_2=3.0)
+    card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"),
+                      "transformer": Expert(arch="wan_t2v", preset=TINY_WAN, trainable=True, optimizer=adamw(1e-2))},
+                     text_max_length=32)
+    with pytest.raises(ValueError, match="sampler.guidance_scale_2=3.0 guides the low-noise expert of a pair"):
+        Finetune(card, sampler=FlowMatchSampler(guidance_scale=4.0, guidance_scale_2=3.0), run=RUN)
 
 
 @pytest.mark.parametrize("trained", [("transformer_2",), PAIR], ids=["low_noise", "both"])

@@ -240,6 +240,10 @@ class FlowMatchSampler:
         guidance_scale: classifier-free guidance; 1 disables the unconditional pass. Every call of this sampler
             (serving, a rollout and its recompute) guides with it: a role that guides otherwise has its own
             sampler (a method's ``rollout_sampler``, ``teacher_sampler``).
+        guidance_scale_2: a pair of noise experts (Wan 2.2 A14B): the CFG scale of the low-noise expert's steps,
+            ``guidance_scale`` guiding the high-noise one's (``WanPipeline``'s ``guidance_scale_2``; the Wan 2.2
+            repository's A14B: 4.0 and 3.0). None = ``guidance_scale`` for both. Needs ``guidance_scale`` != 1 (the
+            unconditional pass is made for CFG).
         guidance_rescale: φ of CFG rescale (the diffusers pipelines' ``guidance_rescale``; Lin et al. 2023
             anchor 0.7): the guided velocity's per-sample std is blended toward the conditional one's, against
             over-saturated colour at high CFG. 0 = plain CFG.
@@ -259,7 +263,8 @@ class FlowMatchSampler:
     def __init__(self, num_steps: int = 20, scheduler: Optional[SchedulerMixin] = None, guidance_scale: float = 1.0,
                  noise_level: float = 0.7, sde_window: Optional[tuple[int, int]] = None,
                  step_sigmas: Optional[list[float]] = None, chunk_frames: Optional[int] = None,
-                 cache_chunks: Optional[int] = None, sink_chunks: int = 0, guidance_rescale: float = 0.0):
+                 cache_chunks: Optional[int] = None, sink_chunks: int = 0, guidance_rescale: float = 0.0,
+                 guidance_scale_2: Optional[float] = None):
         if num_steps < 1:
             raise ValueError(f"sampler: num_steps={num_steps} must be >= 1 (e.g. 20; a distilled student 4)")
         if step_sigmas is not None:
@@ -300,7 +305,12 @@ class FlowMatchSampler:
                              f"use_flow_sigmas: true and prediction_type: flow_prediction")
         self.num_steps = num_steps
         self.scheduler = scheduler
+        if guidance_scale_2 is not None and guidance_scale == 1.0:
+            raise ValueError(f"sampler: guidance_scale_2={guidance_scale_2} guides the low-noise expert of a pair when "
+                             f"guidance_scale guides the high-noise one, but guidance_scale is 1 (no CFG): set "
+                             f"guidance_scale, or drop guidance_scale_2")
         self.guidance_scale, self.guidance_rescale = guidance_scale, guidance_rescale
+        self.guidance_scale_2 = guidance_scale_2
         self.noise_level = noise_level
         self.sde_window = sde_window
         self.step_sigmas = step_sigmas
@@ -356,10 +366,16 @@ class FlowMatchSampler:
                  ) -> torch.Tensor:
         """Guided float32 velocity; the conditional and unconditional passes share one batched forward.
         ``guidance_scale``, ``guidance_rescale``: this call's CFG scale (or (B,) scales, one per sample) and
-        rescale instead of the sampler's."""
+        rescale instead of the sampler's. A pair of noise experts (``model.boundary_timestep``) guides the
+        low-noise expert's rows with ``guidance_scale_2`` where it is set."""
         g = self.guidance_scale if guidance_scale is None else guidance_scale
         phi = self.guidance_rescale if guidance_rescale is None else guidance_rescale
         t = timestep.expand(x.shape[0]).to(x.device)
+        boundary = getattr(model, "boundary_timestep", None)
+        if guidance_scale is None and self.guidance_scale_2 is not None and boundary is not None:
+            low = t < boundary  # a sampling step: one timestep, one expert, one scale
+            g = self.guidance_scale_2 if bool(low.all()) else g if not bool(low.any()) else \
+                torch.where(low, self.guidance_scale_2, g)
         if uncond is None or _unguided(g):
             return model(x, t, cond).float()
         both = model(torch.cat([x, x]), torch.cat([t, t]), _cat(cond, uncond)).float()

@@ -41,7 +41,7 @@ from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.models.generators.base import CODECS, Architecture, Card, GeneratorAdapter, VideoSize, codec_of
 from posttrain.modules.models.generators.flux import Flux, clip_pooled_embeds, t5_embeds
 from posttrain.modules.models.generators.wan import WanI2V, WanT2V, umt5_embeds, wan21_image_processor, wan_text_states, wan_tokens
-from posttrain.modules.flow.samplers import FlowMatchSampler, Schedule, Trajectory, VelocityFn
+from posttrain.modules.flow.samplers import FlowMatchSampler, Schedule, Trajectory, VelocityFn, guided
 
 __all__ = ["ADAPTERS", "ARCHITECTURES", "Architecture", "GeneratorAdapter", "GeneratorStage", "VideoSize", "WanT2V",
            "WanI2V", "Flux", "wan_tokens", "wan_text_states", "umt5_embeds", "wan21_image_processor",
@@ -360,4 +360,6 @@ def noise_experts(high: VelocityFn, low: VelocityFn, boundary_timestep: float) -
         v = torch.cat([v_high.float(), v_low.float()])
         return v[torch.argsort(torch.cat([rows_high, rows_low]))]
 
+    velocity.boundary_timestep = boundary_timestep  # the sampler's guidance_scale_2 guides the low-noise steps
+    velocity.guided = getattr(high, "guided", guided)  # one adapter: the pair's experts guide alike
     return velocity

@@ -349,5 +349,6 @@ class GeneratorAdapter:
         """The keyword arguments that make the pipeline sample as ``predict`` does (written to ``serving.json``),
         from a run's ``serving_settings``."""
         return {"num_inference_steps": serving["num_inference_steps"], "guidance_scale": serving["guidance_scale"],
+                **({"guidance_scale_2": serving["guidance_scale_2"]} if "guidance_scale_2" in serving else {}),
                 "max_sequence_length": serving["max_sequence_length"], "num_frames": serving["num_frames"],
                 "height": serving["height"], "width": serving["width"]}
