@@ -33,8 +33,9 @@ AND points the same way on every set; one decided within the pooled interval is 
 
 Each run is saved as ``<out>/<method>_s<seed>.json`` (``_control``) and skipped when present (``--rerun``
 redoes it), so a re-run after a config changes redoes only ``--rerun --methods <it>``. Writes
-``<out>/rl_compare.md`` and ``docs/rl/rl_compare.png`` (with the table beside it, named after the PNG:
-``docs/rl/rl_compare.md``).
+``<out>/rl_compare.md`` and ``docs/rl/rl_compare.png``, and puts the table into the page beside the PNG
+(``docs/rl/rl_compare.md``) between its ``<!-- rl_compare: table -->`` and ``<!-- rl_compare: end of table -->``
+lines, the page's own text around them kept.
 """
 from __future__ import annotations
 
@@ -549,9 +550,9 @@ def plot(runs, png: str) -> None:
     axes[0].set_ylabel("accuracy")
     axes[-1].legend(fontsize=7, loc="best")
     controls = any(control for _, control in runs)
-    joiner = ", " if len(panels) > 1 else "\n"  # one panel: the title on two lines, within the figure
-    fig.suptitle(f"posttrain RL on the synthetic world: pooled over {len(EVAL_SETS)} evaluation sets, mean over seeds, "
-                 "band = min–max"
+    joiner = ", " if len(panels) > 1 else "\n"  # one panel: the title on three lines, within the figure
+    fig.suptitle(f"posttrain RL on the synthetic world: pooled over {len(EVAL_SETS)} evaluation sets,{joiner[-1]}"
+                 "mean over seeds, band = min–max"
                  + (f"{joiner}dotted = learning rate 0" if controls else f"{joiner}(no learning-rate-0 control run)"),
                  fontsize=10)
     fig.tight_layout()
@@ -595,12 +596,28 @@ def main() -> None:
                 json.dump(result, f, indent=1)
             os.replace(path + ".tmp", path)
     table = report(args.out, args.png)
-    beside_png = os.path.splitext(args.png)[0] + ".md"  # docs/rl/rl_compare.png -> docs/rl/rl_compare.md
-    for path in (os.path.join(args.out, "rl_compare.md"), beside_png):
-        with open(path, "w") as f:
-            f.write(table + "\n")
+    with open(os.path.join(args.out, "rl_compare.md"), "w") as f:
+        f.write(table + "\n")
+    write_between_marks(os.path.splitext(args.png)[0] + ".md", table)  # docs/rl/rl_compare.png -> .md
     print(table)
     print(f"\n(bench wall time {time.time() - start:.0f} s; {args.png})")
+
+
+BEGIN, END = "<!-- rl_compare: table -->", "<!-- rl_compare: end of table -->"
+
+
+def write_between_marks(path: str, table: str) -> None:
+    """``table`` into the page ``path`` between its ``BEGIN`` and ``END`` lines, the page's own text around them
+    kept; a page without them (or none yet) becomes the table between the marks."""
+    text = open(path).read() if os.path.exists(path) else ""
+    if BEGIN in text and END in text:
+        before, rest = text.split(BEGIN, 1)
+        text = before + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1]
+    else:
+        text = BEGIN + "\n" + table + "\n" + END + "\n"
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
