@@ -171,16 +171,3 @@ def test_greedy_serving_serves_each_refiners_most_likely_rewrite():
     module.refiner_args.serve = "sample"
     assert module.refine(requests, seed=0) == module.refine(requests, seed=0)
     assert module.refine(requests, seed=0)[1] != module.refine(requests, seed=1)[1]  # drawn: the seed matters
-
-
-def test_the_comparison_table_goes_between_its_marks_and_keeps_the_page(tmp_path):
-    """``experiments.rl_compare`` writes its table into the docs page beside its PNG between two marks, the page's own
-    text around them kept; a page without the marks becomes the marked table."""
-    from experiments.rl_compare import BEGIN, END, write_between_marks
-
-    page = tmp_path / "page.md"
-    write_between_marks(str(page), "| table 1 |")
-    assert page.read_text() == f"{BEGIN}\n| table 1 |\n{END}\n"
-    page.write_text(f"# Title\n\nwhat was run\n\n{BEGIN}\n| old |\n{END}\n\nwhat it says\n")
-    write_between_marks(str(page), "| table 2 |")
-    assert page.read_text() == f"# Title\n\nwhat was run\n\n{BEGIN}\n| table 2 |\n{END}\n\nwhat it says\n"
