@@ -666,10 +666,15 @@ def main() -> None:
     out = run(args.tiny, device, not args.no_checkpointing, set(args.skip), args.peak_tflops, partial=args.out,
               fewstep_video=video)
     print(report(out))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"figures written to {args.out}")
+    write_figures(args.out, out)
+
+
+def write_figures(path: str, figures: Any) -> None:
+    """A bench's figures as JSON at ``path`` (its folder made), and a line saying where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=1)
+    print(f"figures written to {path}")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from bench.gpu import Device, forward_flops, median, size, video_size
+from bench.gpu import Device, forward_flops, median, size, video_size, write_figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -370,10 +370,7 @@ def main() -> None:
                                                                                 not args.no_checkpointing)
         results.append(result)
         print(row(result), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"figures written to {args.out}")
+    write_figures(args.out, results)
 
 
 if __name__ == "__main__":
