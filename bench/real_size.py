@@ -37,7 +37,10 @@ seconds per iteration / the card's dense bf16 peak (``bench/gpu.py``'s table, or
 product, 2 FLOPs per multiply-add; backward = 2 x forward), about 3 x (2·N·T + 4·L·T²·d) for N parameters, T
 tokens, L blocks of width d. With gradient checkpointing the recomputed forward is work done but not model FLOPs:
 it is in HFU (4 x the forward), printed beside. ``--pretrained FOLDER`` trains the folder's weights instead of
-random ones. ``bench/gpu_real_size.sh`` runs the 1.3B LoRA case at 81 x 480 x 832 on one H100/H200.
+random ones. ``--swap-blocks N`` keeps the frozen weights of each case's last N blocks in host memory
+(``Expert.swap_blocks``): on the CPU host and device are one memory, so it shows the path runs at real size, not a
+saving; on a GPU the peak drops by all but two of those blocks. ``bench/gpu_real_size.sh`` runs the 1.3B LoRA case
+at 81 x 480 x 832 on one H100/H200, then Wan2.1-14B LoRA (fp8 base, 24 of 40 blocks swapped) at the same size.
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ class Case:
     pretrained: Optional[str] = None  # a diffusers folder whose `transformer` to train instead of random weights
     vae: str = "wan_vae"  # the published VAE's arch, and its spatial compression (the latents' h, w)
     spatial: int = 8
+    swap_blocks: int = 0  # Expert.swap_blocks: the frozen weights of the last N blocks in host memory (--swap-blocks)
 
 
 LORA = dict(rank=32, alpha=32.0, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"])
@@ -115,6 +119,8 @@ def expert_settings(case: Case, layers: Optional[int], checkpointing: bool = Tru
         settings["lora"] = {"flux": FLUX_LORA, "qwen_image": QWEN_IMAGE_LORA}.get(case.arch, LORA)
     if case.fp8:
         settings["fp8"] = True
+    if case.swap_blocks:
+        settings["swap_blocks"] = case.swap_blocks
     return settings
 
 
@@ -134,6 +140,8 @@ def build(case: Case, layers: Optional[int], device: str, checkpointing: bool = 
 
     card = ModelCard({"transformer": expert(case, layers, checkpointing)}, text_max_length=case.text_length)
     card.build()
+    if case.swap_blocks:  # before the card moves, as a run swaps them (ExpertModule.configure_model)
+        card.swap("transformer", torch.device(device))
     card.to(device)
     return card
 
@@ -271,9 +279,12 @@ def estimate_config(case: Case, layers: Optional[int], folder: str, checkpointin
     return path
 
 
-def estimated_bytes(name: str, layers: Optional[int], checkpointing: bool = True) -> tuple[Optional[int], str]:
-    """``posttrain estimate``'s device bytes for the case's ``transformer`` (None and why, where it cannot say)."""
-    from posttrain.lit.tools.estimate import estimate, meta_model
+def estimated_bytes(name: str, layers: Optional[int], checkpointing: bool = True,
+                    device: str = "cpu") -> tuple[Optional[int], str]:
+    """``posttrain estimate``'s device bytes for the case's ``transformer`` (None and why, where it cannot say). With
+    swapped blocks on the CPU, host and device are one memory: the swapped blocks are added back (the two resident
+    ones are the host copies themselves there)."""
+    from posttrain.lit.tools.estimate import estimate, meta_model, swapped_block_bytes
 
     case = CASES[name]
     with tempfile.TemporaryDirectory() as folder:
@@ -282,9 +293,14 @@ def estimated_bytes(name: str, layers: Optional[int], checkpointing: bool = True
             row = table["transformer"]
         except Exception as err:  # noqa: BLE001 - the bench reports the rest
             return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    built = sum(p.numel() for p in meta_model(expert(case, layers, checkpointing)).parameters())
+    spec = expert(case, layers, checkpointing)
+    model = meta_model(spec)
+    built = sum(p.numel() for p in model.parameters())
     if row.params != built:  # the estimate built another model than the bench trains (published not read)
         return None, f"estimate counted {row.params:,} parameters, the bench builds {built:,}"
+    if case.swap_blocks and not device.startswith("cuda"):
+        swapped, resident = swapped_block_bytes(spec, model)
+        return row.device_bytes + swapped - resident, "swapped blocks counted: the CPU is host and device"
     return row.device_bytes, ""
 
 
@@ -297,6 +313,7 @@ def in_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
     command += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
     command += ["--no-checkpointing"] if args.no_checkpointing else []
     command += ["--pretrained", args.pretrained] if args.pretrained else []
+    command += ["--swap-blocks", str(args.swap_blocks)] if args.swap_blocks else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -335,6 +352,8 @@ def main() -> None:
                         help="a diffusers folder of the case's model: train its transformer's weights")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (cuda)")
     parser.add_argument("--out", default="runs/bench_real_size/real_size.json", help="figures as JSON")
+    parser.add_argument("--swap-blocks", type=int, default=0, metavar="N",
+                        help="the frozen weights of the last N blocks in host memory (Expert.swap_blocks)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cases = [args.child] if args.child else args.cases
@@ -350,6 +369,9 @@ def main() -> None:
             parser.error(f"--pretrained {args.pretrained!r}: no transformer/ folder there")
         for name in cases:
             CASES[name] = replace(CASES[name], pretrained=args.pretrained)
+    if args.swap_blocks:
+        for name in cases:
+            CASES[name] = replace(CASES[name], swap_blocks=args.swap_blocks)
     args.peak_tflops = Device(args.device).peak_tflops(args.peak_tflops)  # the card's, on a GPU
     if args.child:
         result = run_case(args.child, args.iterations, args.layers, args.device, not args.no_checkpointing,
@@ -367,7 +389,7 @@ def main() -> None:
             result = in_child(name, args)
         if "error" not in result:
             result["estimate_bytes"], result["estimate_note"] = estimated_bytes(name, args.layers,
-                                                                                not args.no_checkpointing)
+                                                                                not args.no_checkpointing, args.device)
         results.append(result)
         print(row(result), flush=True)
     write_figures(args.out, results)

@@ -189,6 +189,10 @@ class ExpertModule(ExactResume, DeferredLogging):
             for name in offloaded:
                 self.card.park(name, self.trainer.strategy.root_device)
             ddp_ignore(self, offloaded)
+        swapping = [name for name, spec in self.card.specs.items() if spec.swap_blocks]
+        if swapping and self._trainer is not None:  # before the strategy moves the module, as parking
+            for name in swapping:
+                ddp_ignore(self, tensors=self.card.swap(name, self.trainer.strategy.root_device).groups)
         if self.card.offload_encoders and self._trainer is not None and self.trainer.state.fn == "fit":
             offload_encoders(self)  # before the strategy moves the module: parked encoders never reach the device
 

@@ -16,7 +16,7 @@ call: correct, and slow by one copy of the encoder.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -54,12 +54,14 @@ def offload_encoders(module) -> None:
     rank_zero_info(f"offload_encoders: {len(prompts)} prompts encoded; {', '.join(parked)} kept in host memory")
 
 
-def ddp_ignore(module, paths: list[str]) -> None:
-    """Leave the tensors of the card's modules at ``paths`` out of DDP's broadcast and device checks: frozen modules
-    that stay where they are (parked in host memory; unloaded, on the meta device). ShardedExpertsStrategy adds its
-    engines' tensors to the same list."""
+def ddp_ignore(module, paths: Sequence[str] = (), tensors: Iterable[Iterable[torch.Tensor]] = ()) -> None:
+    """Leave the tensors of the card's modules at ``paths``, and the groups of ``tensors`` given, out of DDP's
+    broadcast and device checks: frozen tensors that stay where they are (parked or swapped blocks in host memory;
+    unloaded, on the meta device). ShardedExpertsStrategy adds its engines' tensors to the same list."""
     prefixes = tuple(f"card.models.{path}." for path in paths)
-    names = [n for n, _ in [*module.named_parameters(), *module.named_buffers()] if n.startswith(prefixes)]
+    ids = {id(t) for group in tensors for t in group}
+    names = [n for n, t in [*module.named_parameters(), *module.named_buffers()]
+             if (prefixes and n.startswith(prefixes)) or id(t) in ids]
     module._ddp_params_and_buffers_to_ignore = list(dict.fromkeys(
         [*getattr(module, "_ddp_params_and_buffers_to_ignore", []), *names]))
 

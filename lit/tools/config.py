@@ -296,7 +296,7 @@ def experts_of(config) -> list:
 
 def apply_tiny_preset(config) -> None:
     """A recipe at the embedded default's size: every expert from its tiny preset, i.e. the shipped asset where
-    there is one (the sources, dtypes, attention backends and offloading of real weights dropped; LoRA,
+    there is one (the sources, dtypes, attention backends, swapped blocks and offloading of real weights dropped; LoRA,
     sharding stage and roles kept), one CPU process, the default video size (one frame for an image generator)
     and text length. The method, its settings and the data stay."""
     def args(ns):  # a class given as {class_path, init_args} or as its arguments
@@ -309,6 +309,8 @@ def apply_tiny_preset(config) -> None:
     for expert in experts_of(config):
         assign(expert, pretrained=None, published=None, subfolder=None, tokenizer=None, preset={}, dtype="float32",
                attention_backend=None, compile=False)
+        if expert.get("swap_blocks"):  # a published model's block count: the tiny preset has fewer
+            expert.swap_blocks = 0
         if expert.get("zero") is not None:
             assign(args(expert.zero), offload_optimizer=False, offload_params=False, precision="fp32")
     card = args(config.model.init_args.card)

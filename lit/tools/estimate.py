@@ -9,7 +9,8 @@ per component:
   frozen Linear weights inside the blocks at 1 byte a parameter plus one scale per output row in the dtype
   (optimum-quanto's float8 e4m3), everything else in the dtype; a ZeRO-3 expert holds its 1/N partition plus the
   gathered working set DeepSpeed keeps live (``stage3_max_live_parameters`` of the config ``lit.engine.strategy``
-  gives it); with the card's ``offload_encoders`` the generator's frozen text encoders are in the ``host`` column,
+  gives it); with ``swap_blocks`` the frozen weights of an expert's last blocks are in the ``host`` column but two
+  blocks'; with the card's ``offload_encoders`` the generator's frozen text encoders are in the ``host`` column,
   and so is the VAE's encoder when the batches bring latents (``latents_cache``, ``PrecomputedVideos``); a text
   encoder whose rows come with ``PrecomputedVideos`` data is not loaded (``Expert.precomputed``, set by the rule
   ``posttrain fit`` follows: ``lit.tools.config.apply_precomputed``) and holds nothing anywhere;
@@ -232,6 +233,15 @@ def estimate(config: str, devices: Optional[int] = None, num_nodes: Optional[int
             c.placement += ", host"
             c.notes.append("offload_weights: in host memory, copied to the device for each call")
     for c in components:
+        spec = card.specs.get(card.roles.get(c.name, (c.name,))[0])
+        if spec is not None and spec.swap_blocks and c.name in card.models:  # ModelCard.swap, copies for roles too
+            swapped, resident = swapped_block_bytes(spec, card.models[c.name])
+            c.param_bytes -= swapped - resident
+            c.host_bytes += swapped
+            c.placement += ", blocks swapped"
+            c.notes.append(f"swap_blocks={spec.swap_blocks}: {swapped / GIB:.2f} GiB of frozen block weights in host "
+                           f"memory, {resident / GIB:.2f} GiB of them on the device at a time (two blocks)")
+    for c in components:
         if c.name in card.unloaded:  # PrecomputedVideos data: on the meta device, never loaded (apply_precomputed)
             c.param_bytes = c.host_bytes = 0
             c.placement = "not loaded"
@@ -353,6 +363,27 @@ def weight_bytes(spec: Expert, model: nn.Module, fp8: Optional[dict[int, int]] =
     sizes = {id(p): round(p.numel() * bytes_per_parameter(fp8[id(p)], p.dtype)) if id(p) in fp8
              else p.numel() * p.element_size() for p in model.parameters()}
     return sum(sizes.values())
+
+
+def swapped_block_bytes(spec: Expert, model: nn.Module) -> tuple[int, int]:
+    """(bytes in host memory, bytes on the device at a time) of ``model``'s blocks that ``Expert.swap_blocks``
+    swaps: the frozen tensors of its last ``swap_blocks`` blocks as the expert stores them (``weight_bytes``), of
+    which ``SwappedBlocks.RESIDENT`` blocks (the largest) are on the device at once."""
+    from posttrain.modules.models.fp8 import blocks, bytes_per_parameter
+    from posttrain.modules.models.parked import SwappedBlocks
+
+    paths = blocks(model)
+    if spec.swap_blocks > len(paths):
+        raise ValueError(f"swap_blocks={spec.swap_blocks}, but {type(model).__name__} has {len(paths)} blocks; swap "
+                         f"at most {len(paths)}")
+    fp8 = fp8_weights(spec, model)
+    sizes = []
+    for path in paths[len(paths) - spec.swap_blocks:]:
+        block = model.get_submodule(path)
+        frozen = {id(t): t for t in (*block.parameters(), *block.buffers()) if not t.requires_grad}
+        sizes.append(sum(round(t.numel() * bytes_per_parameter(fp8[i], t.dtype)) if i in fp8
+                         else t.numel() * t.element_size() for i, t in frozen.items()))
+    return sum(sizes), sum(sorted(sizes, reverse=True)[:SwappedBlocks.RESIDENT])
 
 
 def optimizer_state_bytes(spec: Expert, dtype: torch.dtype) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 
 from posttrain.modules.models import fp8, presets
 from posttrain.modules.models.cache import EmbeddingCache
-from posttrain.modules.models.parked import Parked, Unloaded
+from posttrain.modules.models.parked import Parked, SwappedBlocks, Unloaded
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -80,6 +80,12 @@ class Expert:
     # start of fit, validate or predict (``Parked``): the frozen expert of a pair of noise experts, which runs only the
     # steps of its range, or a frozen teacher. Costs one copy of the weights over the link per call
     offload_weights: bool = False
+    # the frozen weights of the last `swap_blocks` repeated blocks (Wan's `blocks`, FLUX's single-stream blocks last)
+    # wait in host memory, pinned on CUDA, and come to the device one block at a time for its forward and, under
+    # gradient checkpointing (required when it trains), its recompute in backward; two blocks resident at a time
+    # (``SwappedBlocks``). A LoRA adapter inside them stays on the device. Costs two copies of those blocks over the
+    # link per training iteration, one per sampling step; musubi-tuner's `--blocks_to_swap`
+    swap_blocks: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     # the Linear layers of its blocks stored in float8 (e4m3, a scale per output channel; optimum-quanto) and computed
     # in `dtype`: a frozen expert, or the base of a LoRA expert (the adapter stays in `dtype`); modules/models/fp8.py
@@ -130,6 +136,27 @@ def published_problems(name: str, spec: Expert) -> list[str]:
         except ValueError as err:
             problems.append(str(err))
     return problems
+
+
+def swap_problems(spec: Expert) -> list[str]:
+    """What keeps an expert from ``swap_blocks`` (before it is built; ``ModelCard.swap`` checks the block count)."""
+    n = spec.swap_blocks
+    if not isinstance(n, int) or n < 0:
+        return [f"swap_blocks={n!r} must be a number of blocks >= 0 (0: none)"]
+    if spec.sharded:
+        return [f"swap_blocks={n} with sharded=true: DeepSpeed places a sharded expert's weights itself; use "
+                f"zero.offload_params, or drop sharded"]
+    if spec.offload_weights or spec.precomputed:
+        return [f"swap_blocks={n} with {'offload_weights' if spec.offload_weights else 'precomputed'}: the whole "
+                f"expert is already off the device; drop swap_blocks"]
+    if spec.trainable and spec.lora is None:
+        return [f"swap_blocks={n} swaps a block's frozen weights, but the expert trains all of them: train a LoRA "
+                f"adapter (lora: {{rank: ...}}), or shard it (sharded: true, zero.offload_params)"]
+    if not spec.gradient_checkpointing:
+        return [f"swap_blocks={n}: a block's weights leave the device after its forward, and backward reads them "
+                f"again only through the recomputed forward of gradient checkpointing: set "
+                f"gradient_checkpointing: true"]
+    return []
 
 
 def precomputed_problems(name: str, spec: Expert) -> list[str]:
@@ -212,6 +239,7 @@ class ModelCard(nn.Module):
         self.cache = EmbeddingCache(max_entries=cache_size, device="cpu" if cache_device == "cpu" else None)
         self.offload_encoders = offload_encoders
         self.parked: dict[str, Parked] = {}  # path of a module kept in host memory (``park``)
+        self.swapped: dict[str, SwappedBlocks] = {}  # expert whose last blocks wait in host memory (``swap``)
         self.guards: dict[str, Unloaded] = {}  # expert built on the meta device (``Expert.precomputed``)
 
     def optimizer_for(self, name: str, params) -> torch.optim.Optimizer:
@@ -285,6 +313,8 @@ class ModelCard(nn.Module):
                     "DeepSpeed places a sharded expert" if spec.sharded else "it is not loaded (precomputed)"
                 problems.append(f"expert {name!r}: offload_weights keeps a frozen expert's weights in host memory, "
                                 f"but {why}; drop offload_weights")
+            if spec.swap_blocks:
+                problems += [f"expert {name!r}: {problem}" for problem in swap_problems(spec)]
             if spec.init_from is not None and self.specs.get(spec.init_from, spec).precomputed:
                 problems.append(f"expert {name!r}: init_from={spec.init_from!r}, whose weights are not loaded "
                                 f"(precomputed: true); set experts.{spec.init_from}.precomputed: false")
@@ -567,6 +597,31 @@ class ModelCard(nn.Module):
         if path not in self.parked:
             module = self.models[name].get_submodule(sub) if sub else self.models[name]
             self.parked[path] = Parked(module, device)
+
+
+    def swap(self, name: str, device: torch.device) -> SwappedBlocks:
+        """Keep the frozen weights of expert ``name``'s last ``swap_blocks`` blocks in host memory, one block at a
+        time on ``device`` (``SwappedBlocks``), whatever moves the card; its frozen copies for roles (an ``old``
+        copy sharing the float8 base) swap their base with it, block by block."""
+        if name in self.swapped:
+            return self.swapped[name]
+        n = self.specs[name].swap_blocks
+        models = [self.models[name], *(self.models[role] for role, (of, _) in self.roles.items()
+                                       if of == name and role in self.models)]
+        paths = fp8.blocks(models[0])
+        if n > len(paths):
+            raise ValueError(f"expert {name!r}: swap_blocks={n}, but {type(models[0]).__name__} has {len(paths)} "
+                             f"blocks; swap at most {len(paths)}")
+        blocks, tensors = [], []
+        for path in paths[len(paths) - n:]:
+            same = [m.get_submodule(path) for m in models]
+            # the expert's frozen tensors and, in each copy, those at the same names (its adapter is blended: kept)
+            frozen = {n for n, t in [*same[0].named_parameters(), *same[0].named_buffers()] if not t.requires_grad}
+            blocks.append(same)
+            tensors.append([t for block in same for n, t in [*block.named_parameters(), *block.named_buffers()]
+                            if n in frozen])
+        self.swapped[name] = SwappedBlocks(blocks, tensors, device)
+        return self.swapped[name]
 
 
 class Routed:

@@ -1,7 +1,8 @@
 """Frozen modules kept where they are, whatever moves their parent (Lightning's ``model.to(device)``): ``Parked``, in
 host memory between calls (``ModelCard.park``), each call bringing the weights to the device and dropping them after;
-``Unloaded``, a text encoder built on the meta device because its rows come precomputed (``Expert.precomputed``),
-which no call may run."""
+``SwappedBlocks``, the frozen weights of a model's last blocks in host memory, one block brought to the device at a
+time (``Expert.swap_blocks``); ``Unloaded``, a text encoder built on the meta device because its rows come precomputed
+(``Expert.precomputed``), which no call may run."""
 from __future__ import annotations
 
 import contextlib
@@ -71,6 +72,61 @@ class Parked:
         return _moved(output, self._caller)
 
 
+class SwappedBlocks:
+    """The constant tensors of a model's last blocks wait in host memory; a block's forward pre-hook brings them to
+    ``device`` and they stay there until ``RESIDENT`` later blocks have come, when they go home (the device copy is
+    dropped: they never change, nothing to copy back). ``blocks[i]``: the modules that run as block ``i`` (the expert's
+    block and the same block of its frozen copies for roles, whose float8 weights are the expert's);
+    ``tensors[i]``: what of them swaps, the frozen base (``ModelCard.swap`` picks it). What trains or is written in
+    place (a LoRA adapter; a role copy's adapter, which a sync plan blends) is not swapped and moves with the model.
+
+    Training needs gradient checkpointing (``ModelCard`` refuses it without): backward then runs each block's forward
+    again, last block first, so the pre-hook brings the block back before its backward reads the weights; the
+    forward's own graph keeps none of them. A block's backward is over once the block before it is recomputed (its
+    input gradient is complete only then), so two resident blocks always hold what backward still reads. The last two
+    blocks of the forward are still resident when backward starts: ``copies`` after one training forward and backward
+    of ``n`` swapped blocks is ``n + (n - 2)``. The copies are ordered on the device's stream (pinned host memory on
+    CUDA, ``non_blocking``): correct, and not overlapped with the compute."""
+
+    RESIDENT = 2
+
+    def __init__(self, blocks: list[list[nn.Module]], tensors: list[list[torch.Tensor]], device: torch.device):
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.groups = [list({id(t): t for t in group}.values()) for group in tensors]
+        self.host = [[t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in group] for group in self.groups]
+        self.swapped = {id(t) for group in self.groups for t in group}
+        self.resident: list[int] = []  # block indices on the device, the oldest first
+        self.copies = 0
+        for index, same in enumerate(blocks):
+            self._home(index)
+            for block in same:
+                block.register_forward_pre_hook(functools.partial(self._bring, index))
+                # what moves the model (Lightning's ``model.to(device)``) moves a block's other tensors only
+                for sub in block.modules():
+                    sub._apply = functools.partial(_kept_but, sub, self.swapped)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the swapped tensors (their host copies)."""
+        return sum(_bytes(t) for group in self.host for t in group)
+
+    def _bring(self, index: int, module: nn.Module, args: tuple) -> None:
+        if index in self.resident:
+            self.resident.remove(index)
+        else:
+            for tensor, host in zip(self.groups[index], self.host[index]):
+                tensor.data = host.to(self.device, non_blocking=True)
+            self.copies += 1
+        self.resident.append(index)
+        while len(self.resident) > self.RESIDENT:
+            self._home(self.resident.pop(0))
+
+    def _home(self, index: int) -> None:
+        for tensor, host in zip(self.groups[index], self.host[index]):
+            tensor.data = host
+
+
 class Unloaded:
     """A frozen text encoder of expert ``name`` built on the meta device (shapes and dtype, no weights): it stays there
     when its parent moves, and a call to it raises ``error`` (what a meta model would compute is no embedding)."""
@@ -106,6 +162,28 @@ def _kept(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
     """``nn.Module._apply`` of a parked or unloaded module: nothing moves it (``Parked`` does; ``Unloaded`` holds
     nothing to move)."""
     return module
+
+
+def _kept_but(module: nn.Module, keep: set[int], fn: Callable, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` of a module inside a swapped block: ``fn`` applies to its tensors but those in ``keep``
+    (ids of the swapped ones, which ``SwappedBlocks`` moves)."""
+    held = {}
+    for table in (module._parameters, module._buffers):
+        for key, tensor in table.items():
+            if tensor is not None and id(tensor) in keep:
+                held[(id(table), key)] = (table, tensor)
+                table[key] = None
+    try:
+        return nn.Module._apply(module, fn, recurse)
+    finally:
+        for (_, key), (table, tensor) in held.items():
+            table[key] = tensor
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: a quanto float8 weight its data and scale."""
+    inner = [getattr(tensor, name) for name in ("_data", "_scale") if torch.is_tensor(getattr(tensor, name, None))]
+    return sum(t.numel() * t.element_size() for t in inner) if inner else tensor.numel() * tensor.element_size()
 
 
 def _moved(value: Any, device: torch.device) -> Any:
