@@ -35,6 +35,7 @@ from posttrain.lit.engine.encoders import ddp_ignore, offload_encoders
 from posttrain.lit.engine.log_cadence import DeferredLogging
 from posttrain.lit.engine.resume import ExactResume
 from posttrain.lit.engine.startup import check_trainer
+from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.io import batch as batch_schema
 from posttrain.modules.models import presets
 from posttrain.modules.models.cards import ModelCard
@@ -443,6 +444,16 @@ class ExpertModule(ExactResume, DeferredLogging):
         raise ValueError(f"{type(self.stage.adapter).__name__} ({self.stage.transformer!r}) generates from a first "
                          f"frame, but the batch holds only {sorted(batch)}: use a datamodule whose batches carry "
                          f"`image` or `video` (SyntheticVideos, VideoFolder), or a workflow with an image stage")
+
+    def condition_batch(self, batch: dict, prompts: list[str], size: VideoSize) -> Conditioning:
+        """``prompts``' conditioning for the rows of ``batch`` (``size`` videos): the text and, for an image-to-video
+        generator, each row's first frame (``batch_images``). A batch of precomputed ``latents`` without pixels (a
+        ``latents_cache``, ``PrecomputedVideos``) conditions a generator whose image is the clip's first latent frame
+        on that frame, read off the latents by its adapter's ``image_from_latents`` (Wan 2.2 TI2V: its VAE is causal
+        in time, so the frame is the first pixel frame's latents alone); any other generator refuses it there."""
+        if self.stage.takes_image and "latents" in batch and "image" not in batch and "video" not in batch:
+            return self.stage.condition(prompts, self.device, latents=batch["latents"].float(), size=size)
+        return self.stage.condition(prompts, self.device, images=self.batch_images(batch), size=size)
 
     def batch_latents(self, batch: dict, reader: str, alternative: str = "") -> torch.Tensor:
         """(B, C, F', h, w) the batch's clean latents: its precomputed ``latents``, or the VAE's of its ``video``

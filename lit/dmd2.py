@@ -43,6 +43,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.models.cards import ModelCard
+from posttrain.modules.models.generators import ADAPTERS
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.distill.args import GANArgs, RegressionArgs
 from posttrain.modules.distill.gan import HEAD, attach_head, block_features, frozen, pooled_text, tapped
@@ -250,6 +251,11 @@ class DMD2(ExpertModule):
                   real_guidance_scale, real_guidance_rescale, real_guidance_interval) -> list[str]:
         """Every configuration problem but the student's steps, collected before anything is built."""
         problems = self.card_problems("dmd2", trains=(self.student,))
+        arch = self.stage.arch
+        if arch in ADAPTERS and ADAPTERS[arch].takes_image:  # its rollouts, scores and critic read the prompt alone
+            problems.append(f"dmd2 distills from text alone, but {self.student!r} has arch {arch!r}, which generates "
+                            f"from a first frame: distill a text-to-video generator (Wan 2.2 TI2V: `arch: wan22_ti2v`, "
+                            f"the same weights, for the student, the critic and the teacher)")
         problems += self.stage.peer_problems(self.critic, "the fake score", trainable=True,
                                              hint="; add a trainable `critic` expert, e.g. `init_from: teacher`")
         problems += self.stage.peer_problems(self.teacher, "the real score", trainable=False,

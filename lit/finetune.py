@@ -3,7 +3,8 @@
 Regress the transformer's velocity onto ``ε - x0`` at a random noise level σ (rectified flow; Esser
 et al. 2024, "Scaling Rectified Flow Transformers", logit-normal σ as in SD3/Wan training), with
 conditioning from the frozen text encoders (cached by prompt hash and encoder version) and, for an
-image-to-video generator, from each video's own first frame (Wan I2V's training setup). Any generator
+image-to-video generator, from each video's own first frame (Wan I2V's training setup; Wan 2.2 TI2V also from
+precomputed latents, their first latent frame: ``ExpertModule.condition_batch``). Any generator
 of ``modules/models/generators/``: Wan T2V on videos, FLUX on images (one-frame videos), Wan I2V on videos.
 Optional EMA of the generator, kept by a sync plan and used for sampling.
 
@@ -78,7 +79,7 @@ class Finetune(ExpertModule):
         prompts = list(batch["prompt"])
         drop = torch.rand(len(prompts), generator=self.generator) < self.caption_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
-        cond = self.stage.condition(prompts, self.device, images=self.batch_images(batch), size=self.size_of(batch))
+        cond = self.condition_batch(batch, prompts, self.size_of(batch))
         # 3. noise level σ and noise ε; x_σ = (1-σ)·x0 + σ·ε; the experts that step: of a pair, each trained expert
         #    that runs a row on any process (read from σ on the host; every process steps the same experts)
         sigma = sample_sigmas(x0.shape[0], self.sigma_sampling, self.generator, self.shift,
@@ -100,8 +101,7 @@ class Finetune(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Flow-matching loss at fixed σ with fixed noise: comparable across the run."""
         x0 = self.latents(batch)
-        cond = self.stage.condition(list(batch["prompt"]), self.device, images=self.batch_images(batch),
-                                    size=self.size_of(batch))
+        cond = self.condition_batch(batch, list(batch["prompt"]), self.size_of(batch))
         g = torch.Generator().manual_seed(batch_idx)
         losses = []
         with self.stage.velocity(self.serving_transformer) as velocity:

@@ -14,9 +14,12 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 from lightning.pytorch import Callback
 
 from posttrain.callbacks.parity import LogProbParityCheck
+from posttrain.datamodules.folder import FolderDataset, VideoFolder
+from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
+from posttrain.lit.dmd2 import DMD2
 from posttrain.lit.finetune import Finetune
 from posttrain.lit.flow_grpo import FlowGRPO
 from posttrain.lit.tools.export import export
@@ -30,10 +33,11 @@ from posttrain.modules.models.generators.wan import WanVAE
 from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rl.grpo import GRPOArgs
 from posttrain.modules.rl.rollout import Rollout
-from tests.conftest import adamw
-from tests.helpers import fit_shipped_config_once, quick_trainer
+from tests.conftest import adamw, i2v_card
+from tests.helpers import assert_one_metric_scheme, fit_shipped_config_once, quick_trainer
 from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 from tests.test_export_generators import finetuned as export_finetuned
+from tests.test_folder_data import caption, clip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle moving left on a blue background", "a yellow square moving down on a green background"]
@@ -186,6 +190,93 @@ def test_finetune_trains_one_iteration_each_way(arch, tmp_path, one_thread):
                                 width=SIZE.width))
     after = module.card["transformer"].state_dict()
     assert any(not torch.equal(snapshot.before[k], after[k]) for k in snapshot.before)
+
+
+def distill_card(arch: str = "wan22_ti2v", lr: float = 1e-3) -> ModelCard:
+    """DMD2's experts on TI2V: UMT5, the Wan 2.2 VAE and the teacher frozen; the student (``transformer``) and the
+    critic trainable, both started from the teacher (``init_from``)."""
+    def trained() -> Expert:
+        return Expert(arch=arch, trainable=True, optimizer=adamw(lr), init_from="teacher")
+
+    return ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan22_vae"),
+                      "teacher": Expert(arch=arch), "transformer": trained(), "critic": trained()}, text_max_length=32)
+
+
+def test_dmd2_distills_a_text_to_video_student(one_thread):
+    """DMD2 on TI2V text-to-video (a 2-step student, the teacher's CFG 4.5 as the real score, one timestep per token
+    everywhere, the student stepping every iteration): two iterations step student and critic twice each and move
+    both, the teacher stays bit for bit at version 0, and both losses are finite."""
+    torch.manual_seed(0)  # the random tiny teacher
+    card = distill_card()
+    module = DMD2(card, student_steps=2, generator_update_ratio=1,
+                  teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
+                  run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
+    module.configure_model()
+    names = ("teacher", "transformer", "critic")
+    before = {name: {k: v.clone() for k, v in card[name].state_dict().items()} for name in names}
+    assert all(torch.equal(before["teacher"][k], v) for k, v in before["critic"].items())  # init_from
+    trainer = quick_trainer(2, log_every_n_steps=1)
+    trainer.fit(module, Prompts(prompts=PROMPTS, batch_size=2))
+    after = {name: card[name].state_dict() for name in names}
+    assert all(torch.equal(before["teacher"][k], v) for k, v in after["teacher"].items())
+    for name in ("transformer", "critic"):
+        assert any(not torch.equal(before[name][k], v) for k, v in after[name].items()), name
+    assert (card.versions["transformer"], card.versions["critic"], card.versions["teacher"]) == (2, 2, 0)
+    metrics = trainer.callback_metrics
+    assert all(torch.isfinite(metrics[f"train/loss/{name}"]) for name in ("transformer", "critic"))
+    assert torch.isfinite(metrics["train/dmd_grad_abs/transformer"])
+    assert_one_metric_scheme(metrics, card)
+
+
+def test_dmd2_refuses_an_image_to_video_student_at_start_up():
+    """DMD2 conditions its student, critic and teacher on text alone: an image-to-video arch is refused before
+    anything is built, naming the text-to-video arch of the same weights."""
+    with pytest.raises(ValueError, match=r"dmd2 distills from text alone, but 'transformer' has arch 'wan22_ti2v_i2v', "
+                                         r"which generates from a first frame: .*arch: wan22_ti2v"):
+        DMD2(distill_card("wan22_ti2v_i2v"), run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
+
+
+def test_image_to_video_finetunes_from_a_latents_cache(tmp_path, one_thread):
+    """Image-to-video from a VideoFolder ``latents_cache`` (batches carry ``latents``, no pixels): each row is
+    conditioned on its clip's first latent frame, which is the conditioning its first pixel frame gives (the Wan 2.2
+    VAE is causal in time: bit for bit when each frame is encoded alone, as the cache encodes each clip; 4.8e-7 with
+    both frames in one batch, float32 CPU), and a finetune iteration on those batches moves the transformer.
+    Wan I2V, whose conditioning is the VAE latents of [image, 0, …, 0], still refuses latents with its error."""
+    root = tmp_path / "clips"
+    root.mkdir()
+    for name, colour in (("a.mp4", "red"), ("b.gif", "yellow")):
+        caption(clip(root / name, frames=SIZE.frames, height=SIZE.height, width=SIZE.width, colour=colour),
+                f"a {colour} circle moving right")
+    torch.manual_seed(0)
+    module = Finetune(ti2v_card("wan22_ti2v_i2v", lr=1e-2), sampler=FlowMatchSampler(num_steps=2), caption_dropout=0.0,
+                      run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
+    data = VideoFolder(str(root), frames=SIZE.frames, height=SIZE.height, width=SIZE.width,
+                       latents_cache=str(tmp_path / "latents"), batch_size=2)
+    snapshot = Snapshot()
+    quick_trainer(max_steps=1, default_root_dir=tmp_path, callbacks=[snapshot]).fit(module, data)
+    after = module.card["transformer"].state_dict()
+    assert any(not torch.equal(snapshot.before[k], after[k]) for k in snapshot.before)
+
+    items = [data.train_dataset()[i] for i in range(2)]  # what the loader batches: latents (cached by the card's VAE)
+    assert all("latents" in item and "video" not in item for item in items)
+    prompts = [item["prompt"] for item in items]
+    batch = {"latents": torch.stack([item["latents"] for item in items]), "prompt": prompts}
+    from_latents = module.condition_batch(batch, prompts, module.video)["first_frame_latents"]  # (2, 48, 1, 4, 4)
+    images = torch.stack([FolderDataset(data.train_entries).video(i) for i in range(2)])[:, :, 0]
+    # each first frame through the VAE alone, as the cache encoded each clip: the same bits
+    one_by_one = torch.cat([module.stage.condition(prompts[i:i + 1], images=images[i:i + 1], size=SIZE)
+                            ["first_frame_latents"] for i in range(2)])
+    assert from_latents.shape == (2, 48, 1, 4, 4) and torch.equal(from_latents, one_by_one)
+    # both in one batch: the convolutions' rounding at another batch size
+    batched = module.stage.condition(prompts, images=images, size=SIZE)["first_frame_latents"]
+    gap = (from_latents - batched).abs().max().item()
+    print(f"TI2V image-to-video conditioning, cached latents vs the first frames as a batch: max |Δ| = {gap:.1e}")
+    assert gap < 1e-5
+
+    wan_i2v = Finetune(i2v_card(), run=RunArgs(frames=5, height=16, width=16))
+    with pytest.raises(ValueError, match=r"WanI2V \('transformer'\) generates from a first frame and reads none off "
+                                         r"precomputed latents \(Wan 2.2 TI2V does: `arch: wan22_ti2v_i2v`\)"):
+        wan_i2v.condition_batch({"latents": torch.zeros(2, 16, 2, 4, 4), "prompt": prompts}, prompts, wan_i2v.video)
 
 
 class Snapshot(Callback):

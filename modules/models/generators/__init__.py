@@ -239,25 +239,35 @@ class GeneratorStage:
 
     # ------------------------------------------------------------------ conditioning
     def condition(self, prompts: list[str], device: Optional[torch.device] = None, *,
-                  images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None) -> Conditioning:
+                  images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None,
+                  latents: Optional[torch.Tensor] = None) -> Conditioning:
         """The conditioning of ``prompts`` (text rows cached by encoder version and prompt) and, for an
-        image-to-video generator, of the first frames ``images`` (B, 3, H, W) in [-1, 1] of ``size`` videos."""
-        return self.conditioning(prompts, 1.0, device, images=images, size=size)[0]
+        image-to-video generator, of the first frames ``images`` (B, 3, H, W) in [-1, 1] of ``size`` videos, or,
+        without images, of the clips' clean ``latents`` where the adapter reads its image off them
+        (``image_from_latents``)."""
+        return self.conditioning(prompts, 1.0, device, images=images, size=size, latents=latents)[0]
 
     def conditioning(self, prompts: list[str], guidance_scale: float, device: Optional[torch.device] = None, *,
-                     images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None
-                     ) -> tuple[Conditioning, Optional[Conditioning]]:
+                     images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None,
+                     latents: Optional[torch.Tensor] = None) -> tuple[Conditioning, Optional[Conditioning]]:
         """``prompts``' conditioning and, when CFG is on, the empty prompt's with the same image (the
         pipelines' negative pass swaps only the text)."""
         adapter = self.adapter
-        if adapter.takes_image and (images is None or size is None):
-            raise ValueError(f"{type(adapter).__name__} ({self.transformer!r}) generates from a first frame: give "
-                             f"it images (an image-producing stage before it in a workflow, or an `image`/`video` "
-                             f"in the batch)")
+        rest = adapter.extra(self, len(prompts))
+        from_latents = None
+        if adapter.takes_image and images is None and latents is not None:
+            from_latents = adapter.image_from_latents(self, latents.to(device) if device is not None else latents)
+        if adapter.takes_image and from_latents is None and (images is None or size is None):
+            given = (" and reads none off precomputed latents (Wan 2.2 TI2V does: `arch: wan22_ti2v_i2v`)"
+                     if latents is not None else "")
+            raise ValueError(f"{type(adapter).__name__} ({self.transformer!r}) generates from a first frame{given}: "
+                             f"give it images (an image-producing stage before it in a workflow, or an "
+                             f"`image`/`video` in the batch: a VideoFolder without latents_cache, SyntheticVideos)")
         if images is not None and len(images) != len(prompts):
             raise ValueError(f"{len(images)} conditioning images for {len(prompts)} prompts")
-        rest = adapter.extra(self, len(prompts))
-        if images is not None:
+        if from_latents is not None:
+            rest.update(from_latents)
+        elif images is not None:
             rest.update(adapter.image(self, images.to(device) if device is not None else images, size))
         cond = Conditioning({**adapter.text(self, prompts), **rest}).to(device)
         if guidance_scale == 1.0:

@@ -280,6 +280,12 @@ class GeneratorAdapter:
         """The image part of the conditioning: ``images`` (B, 3, H, W) in [-1, 1] for a ``size`` output."""
         raise ValueError(f"{type(self).__name__} generates from text alone; it takes no conditioning image")
 
+    def image_from_latents(self, stage: Stage, latents: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
+        """The image part of the conditioning read off the clips' clean latents (B, C, F', h, w), for batches of
+        precomputed latents without pixels (a ``latents_cache``, ``PrecomputedVideos``); None (the default) where the
+        image must come as pixels."""
+        return None
+
     def extra(self, stage: Stage, batch_size: int) -> dict[str, torch.Tensor]:
         """Further per-row inputs that are neither text nor image (FLUX's embedded guidance)."""
         return {}

@@ -15,7 +15,7 @@ pipeline; what a card's ``arch`` chooses is what the methods do with a batch:
 | arch | the methods | export |
 |---|---|---|
 | ``wan22_ti2v`` | text-to-video from the prompt | ``WanPipeline(expand_timesteps=True)`` |
-| ``wan22_ti2v_i2v`` | image-to-video from each row's first frame (the batch's ``image`` or its video's first frame) | ``WanImageToVideoPipeline(expand_timesteps=True)`` |
+| ``wan22_ti2v_i2v`` | image-to-video from each row's first frame (the batch's ``image``, its video's first frame, or its precomputed latents' first latent frame) | ``WanImageToVideoPipeline(expand_timesteps=True)`` |
 
 Called directly, either adapter conditions on an image when one is given (``stage.condition(prompts,
 images=..., size=...)``) and on the text alone otherwise.
@@ -86,6 +86,17 @@ class WanTI2V(WanT2V):
         with torch.no_grad():
             latents = codec_of(vae).encode(vae, images[:, :, None])  # (B, C, 1, h, w)
         return {"first_frame_latents": latents}
+
+    def image_from_latents(self, stage, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The image part of the conditioning read off a clip's clean latents (B, C, F', h, w), for batches that carry
+        precomputed ``latents`` and no pixels (a ``latents_cache``, ``PrecomputedVideos``): their first latent frame.
+        The Wan VAEs are causal in time (the encoder runs the first pixel frame alone, then chunks of 4 on a cache of
+        the past), so that frame is what ``image`` encodes from the first pixel frame: bit for bit at the same batch
+        size, float32 CPU (at another, the convolutions' rounding: 4.8e-7; ``tests/test_wan22_ti2v.py``)."""
+        if latents.ndim != 5:
+            raise ValueError(f"{type(self).__name__}: precomputed latents must be (B, C, F', h, w); got shape "
+                             f"{tuple(latents.shape)}")
+        return {"first_frame_latents": latents[:, :, :1].float()}
 
     def clean_latents(self, cond: Conditioning, latent_shape: tuple[int, ...]) -> Optional[CleanLatents]:
         first = cond.get("first_frame_latents")
