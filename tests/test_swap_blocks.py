@@ -207,3 +207,36 @@ def test_diffusion_nft_swaps_its_old_copy_with_the_expert(monkeypatch, one_threa
     assert {id(t) for t in swapped.groups[-1]} == base | old_base and base != old_base  # float32 base: copied
     assert any("transformer_old" in k for k in states[0])
     assert states[0].keys() == states[3].keys() and all(torch.equal(states[0][k], states[3][k]) for k in states[0])
+
+
+def test_a_pair_with_a_frozen_expert_swapped_whole_trains_and_samples_as_without(monkeypatch, one_thread):
+    """The one-GPU recipe of a Wan 2.2 pair: the trained low-noise expert (LoRA) with its last block swapped, the frozen
+    high-noise expert with every block swapped. Two finetune iterations and a sample through both experts (poisoned
+    while away) equal those without swapping, bitwise; the frozen expert came over for its sampling steps only."""
+    home = SwappedBlocks._home
+
+    def poisoned_home(self, index):
+        home(self, index)
+        for tensor in self.groups[index]:
+            tensor.data = torch.full_like(tensor.data, float("nan"))
+
+    def card(swap: bool) -> ModelCard:
+        high = Expert(arch="wan_t2v", preset=FOUR_BLOCKS, gradient_checkpointing=True, swap_blocks=4 if swap else 0)
+        return ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"), "transformer": high,
+                          "transformer_2": lora_wan(swap=1 if swap else 0)}, text_max_length=32, boundary_ratio=0.875)
+
+    trained, samples = {}, {}
+    for swap in (False, True):
+        if swap:
+            monkeypatch.setattr(SwappedBlocks, "_home", poisoned_home)
+        torch.manual_seed(0)
+        module = Finetune(card(swap), caption_dropout=0.0, run=RunArgs(frames=5, height=16, width=16))
+        quick_trainer(max_steps=2).fit(module, SyntheticVideos(num_samples=4, batch_size=2, frames=5, height=16,
+                                                               width=16))
+        trained[swap] = {n: p.detach().clone() for n, p in module.card.models["transformer_2"].named_parameters()
+                         if p.requires_grad}
+        copies_after_training = module.card.swapped["transformer"].copies if swap else None
+        samples[swap] = module.generate(PROMPTS[:1], seed=1)
+    assert copies_after_training == 0 and module.card.swapped["transformer"].copies > 0
+    assert all(torch.equal(trained[False][n], trained[True][n]) for n in trained[False])
+    assert torch.isfinite(samples[True]).all() and torch.equal(samples[False], samples[True])
