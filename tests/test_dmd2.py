@@ -1128,3 +1128,16 @@ def test_progressive_stage_two_starts_from_stage_ones_exported_student(tmp_path)
     assert differs(weights(module, "transformer"), trained) == 0
     assert differs(weights(module, "critic"), weights(module, "teacher")) == 0
     assert module.sampler.step_sigmas == [1.0, 0.5]
+
+
+@pytest.mark.parametrize("arch, width_key", [("wan_t2v", "text_dim"), ("flux", "joint_attention_dim")])
+def test_the_pixel_discriminator_reads_text_rows_of_the_critics_width(arch, width_key):
+    """``gan.space: pixels`` conditions its discriminator on the pooled text rows the critic reads: Wan's are
+    ``text_dim`` wide, an MMDiT's (FLUX, SD3, Qwen-Image) ``joint_attention_dim``."""
+    from posttrain.modules.distill.gan import attach_head
+    from posttrain.modules.models import presets
+
+    critic = presets.build_model(arch, device="meta")
+    head = attach_head(critic, seed=0, space="pixels")
+    assert isinstance(head, PixelDiscriminator)
+    assert head.embed.in_features == critic.config[width_key]

@@ -104,7 +104,8 @@ def attach_head(critic: nn.Module, seed: int, blocks: Sequence[int] = (-1,), hid
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if space == "pixels":
-            head = PixelDiscriminator(int(critic.config.text_dim))
+            config = critic.config  # the text rows' width: Wan's `text_dim`, an MMDiT's `joint_attention_dim`
+            head = PixelDiscriminator(int(config.text_dim if "text_dim" in config else config.joint_attention_dim))
         else:
             head = FeatureClassifier(feature_dim(critic) * len(feature_blocks(critic, blocks)), hidden)
     first = next(critic.parameters())
