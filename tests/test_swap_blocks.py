@@ -28,12 +28,12 @@ PROMPTS = ["a red circle moving left", "a blue square"]
 
 
 class Poisoned(SwappedBlocks):
-    """Swapped blocks whose weights are NaN while they are away from the device."""
+    """Swapped blocks whose weights are NaN while they are away from the device (``_home`` also patched onto
+    ``SwappedBlocks`` where a run builds its own)."""
 
     def _home(self, index: int) -> None:
-        super()._home(index)
-        for tensor in self.groups[index]:
-            tensor.data = torch.full_like(tensor.data, float("nan"))
+        for tensor, host in zip(self.groups[index], self.host[index]):
+            tensor.data = torch.full_like(host, float("nan"))
 
 
 def lora_wan(checkpointing: bool = True, use_fp8: bool = False, swap: int = 0) -> Expert:
@@ -109,17 +109,10 @@ def test_a_fit_with_swapped_blocks_trains_the_weights_of_one_without(monkeypatch
     """Two iterations of the LoRA finetune with three of four blocks swapped (set up by the method before the module
     moves, as a run does; poisoned while away) end with the adapter of the same run without swapping, bitwise; DDP
     leaves the swapped tensors alone and syncs the adapter; a sample after training is the same."""
-    home = SwappedBlocks._home
-
-    def poisoned_home(self, index):
-        home(self, index)
-        for tensor in self.groups[index]:
-            tensor.data = torch.full_like(tensor.data, float("nan"))
-
     trained, samples = {}, {}
     for swap in (0, 3):
         if swap:
-            monkeypatch.setattr(SwappedBlocks, "_home", poisoned_home)
+            monkeypatch.setattr(SwappedBlocks, "_home", Poisoned._home)
         torch.manual_seed(0)
         module = Finetune(wan_card(extra={"transformer": lora_wan(swap=swap)}), caption_dropout=0.0,
                           run=RunArgs(frames=5, height=32, width=32))
@@ -182,17 +175,10 @@ def test_diffusion_nft_swaps_its_old_copy_with_the_expert(monkeypatch, one_threa
     from posttrain.modules.rewards.synthetic import ColourAlignment
     from posttrain.modules.rl.grpo import GRPOArgs
 
-    home = SwappedBlocks._home
-
-    def poisoned_home(self, index):
-        home(self, index)
-        for tensor in self.groups[index]:
-            tensor.data = torch.full_like(tensor.data, float("nan"))
-
     states = {}
     for swap in (0, 3):
         if swap:
-            monkeypatch.setattr(SwappedBlocks, "_home", poisoned_home)
+            monkeypatch.setattr(SwappedBlocks, "_home", Poisoned._home)
         torch.manual_seed(0)
         module = DiffusionNFT(wan_card(extra={"transformer": lora_wan(swap=swap)}), reward=ColourAlignment(),
                               grpo=GRPOArgs(num_samples_per_prompt=2), sampler=FlowMatchSampler(num_steps=4),
@@ -213,13 +199,6 @@ def test_a_pair_with_a_frozen_expert_swapped_whole_trains_and_samples_as_without
     """The one-GPU recipe of a Wan 2.2 pair: the trained low-noise expert (LoRA) with its last block swapped, the frozen
     high-noise expert with every block swapped. Two finetune iterations and a sample through both experts (poisoned
     while away) equal those without swapping, bitwise; the frozen expert came over for its sampling steps only."""
-    home = SwappedBlocks._home
-
-    def poisoned_home(self, index):
-        home(self, index)
-        for tensor in self.groups[index]:
-            tensor.data = torch.full_like(tensor.data, float("nan"))
-
     def card(swap: bool) -> ModelCard:
         high = Expert(arch="wan_t2v", preset=FOUR_BLOCKS, gradient_checkpointing=True, swap_blocks=4 if swap else 0)
         return ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan_vae"), "transformer": high,
@@ -228,7 +207,7 @@ def test_a_pair_with_a_frozen_expert_swapped_whole_trains_and_samples_as_without
     trained, samples = {}, {}
     for swap in (False, True):
         if swap:
-            monkeypatch.setattr(SwappedBlocks, "_home", poisoned_home)
+            monkeypatch.setattr(SwappedBlocks, "_home", Poisoned._home)
         torch.manual_seed(0)
         module = Finetune(card(swap), caption_dropout=0.0, run=RunArgs(frames=5, height=16, width=16))
         quick_trainer(max_steps=2).fit(module, SyntheticVideos(num_samples=4, batch_size=2, frames=5, height=16,
