@@ -170,3 +170,29 @@ def fit_shipped_config_once(config: str, folder, data: Optional[dict] = None) ->
           "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
           "--data", json.dumps(data)])
     assert os.path.exists(os.path.join(folder, "checkpoints", "last.ckpt"))
+
+
+def dmd2_steps_student_and_critic_twice(module, prompts: list[str]) -> None:
+    """Two DMD2 iterations of ``module`` (student ``transformer`` and ``critic`` from the frozen ``teacher`` by
+    ``init_from``, the student stepping every iteration) on ``prompts``: student and critic start as the teacher, both
+    move and reach version 2, the teacher stays bit for bit at version 0, the losses and the DMD gradient are finite,
+    and the metrics follow the one naming scheme."""
+    from posttrain.datamodules.prompts import Prompts
+
+    card = module.card
+    module.configure_model()
+    names = ("teacher", "transformer", "critic")
+    before = {name: {k: v.detach().clone() for k, v in card[name].state_dict().items()} for name in names}
+    for name in ("transformer", "critic"):  # init_from
+        assert all(torch.equal(before["teacher"][k], v) for k, v in before[name].items()), name
+    trainer = quick_trainer(2, log_every_n_steps=1)
+    trainer.fit(module, Prompts(prompts=prompts, batch_size=2))
+    after = {name: card[name].state_dict() for name in names}
+    assert all(torch.equal(before["teacher"][k], v) for k, v in after["teacher"].items())
+    for name in ("transformer", "critic"):
+        assert any(not torch.equal(before[name][k], v) for k, v in after[name].items()), name
+    assert (card.versions["transformer"], card.versions["critic"], card.versions["teacher"]) == (2, 2, 0)
+    metrics = trainer.callback_metrics
+    assert all(torch.isfinite(metrics[f"train/loss/{name}"]) for name in ("transformer", "critic"))
+    assert torch.isfinite(metrics["train/dmd_grad_abs/transformer"])
+    assert_one_metric_scheme(metrics, card)

@@ -15,7 +15,6 @@ from lightning.pytorch import Callback
 
 from posttrain.callbacks.parity import LogProbParityCheck
 from posttrain.datamodules.folder import FolderDataset, VideoFolder
-from posttrain.datamodules.prompts import Prompts
 from posttrain.datamodules.synthetic import SyntheticVideos
 from posttrain.lit.base import RunArgs
 from posttrain.lit.diffusion_nft import DiffusionNFT
@@ -34,7 +33,7 @@ from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rl.grpo import GRPOArgs
 from posttrain.modules.rl.rollout import Rollout
 from tests.conftest import adamw, i2v_card
-from tests.helpers import assert_one_metric_scheme, fit_shipped_config_once, quick_trainer
+from tests.helpers import dmd2_steps_student_and_critic_twice, fit_shipped_config_once, quick_trainer
 from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 from tests.test_export_generators import finetuned as export_finetuned
 from tests.test_folder_data import caption, clip
@@ -211,21 +210,7 @@ def test_dmd2_distills_a_text_to_video_student(one_thread):
     module = DMD2(card, student_steps=2, generator_update_ratio=1,
                   teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
                   run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
-    module.configure_model()
-    names = ("teacher", "transformer", "critic")
-    before = {name: {k: v.clone() for k, v in card[name].state_dict().items()} for name in names}
-    assert all(torch.equal(before["teacher"][k], v) for k, v in before["critic"].items())  # init_from
-    trainer = quick_trainer(2, log_every_n_steps=1)
-    trainer.fit(module, Prompts(prompts=PROMPTS, batch_size=2))
-    after = {name: card[name].state_dict() for name in names}
-    assert all(torch.equal(before["teacher"][k], v) for k, v in after["teacher"].items())
-    for name in ("transformer", "critic"):
-        assert any(not torch.equal(before[name][k], v) for k, v in after[name].items()), name
-    assert (card.versions["transformer"], card.versions["critic"], card.versions["teacher"]) == (2, 2, 0)
-    metrics = trainer.callback_metrics
-    assert all(torch.isfinite(metrics[f"train/loss/{name}"]) for name in ("transformer", "critic"))
-    assert torch.isfinite(metrics["train/dmd_grad_abs/transformer"])
-    assert_one_metric_scheme(metrics, card)
+    dmd2_steps_student_and_critic_twice(module, PROMPTS)
 
 
 def test_dmd2_refuses_an_image_to_video_student_at_start_up():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Callable, Container, Iterator, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Container, Iterable, Iterator, Literal, Mapping, Optional, Union
 
 import torch
 from diffusers import ModelMixin
@@ -93,7 +93,8 @@ DIFFUSERS_ARCHS = tuple(name for name, arch in ARCHITECTURES.items() if issubcla
 # Presets that carry trained weights, made here from the synthetic data (no download) by the scripts named at each
 # entry, and loaded through ``from_pretrained`` like any local checkpoint.
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")  # modules/assets
-TRAINED_ASSETS = {name: os.path.join(_ASSETS, name) for name, arch in ARCHITECTURES.items() if arch.asset}
+TRAINED_ASSETS = {name: os.path.join(_ASSETS, arch.asset if isinstance(arch.asset, str) else name)
+                  for name, arch in ARCHITECTURES.items() if arch.asset}
 # The world's pretrained refiner (scripts/train_refiner.py): a ``qwen2`` (Qwen2ForCausalLM, ByT5 bytes) that rewrites a
 # user request into the caption the generator reads. Not a preset's default (a plain ``arch: qwen2`` stays the random
 # tiny LM); a card names it as ``{arch: qwen2, pretrained: modules/assets/refiner}`` (from the repository root).
@@ -205,6 +206,18 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
     return model
 
 
+def _foreign_asset(cls: type, folder: str) -> torch.nn.Module:
+    """A diffusers ``cls`` from the asset ``folder`` of another class whose weights it loads key for key: its config
+    is what ``cls`` reads of the folder's (the other class's own keys left out, so a saved or exported copy carries
+    none of them), and every stored tensor fills one of its weights."""
+    from safetensors.torch import load_file
+
+    init, _, _ = cls.extract_init_dict(cls.load_config(folder))
+    model = _from_config(cls, init)
+    model.load_state_dict(load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors")), strict=True)
+    return model
+
+
 def _merged(spec: Architecture, base: Mapping[str, Any], preset: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     """The constructor config ``base`` (the tiny preset, a published component's) with the ``preset`` overrides; a
     VAE's config then follows its layers (its codec: Wan's scale factors)."""
@@ -219,6 +232,8 @@ def _from_pretrained(arch: str, pretrained: str | None, subfolder: str | None,
     """``from_pretrained`` of ``pretrained`` (+ ``subfolder``), or of the shipped asset when ``pretrained`` is None."""
     cls = model_class(arch)
     if pretrained is None:
+        if isinstance(architecture(arch).asset, str):  # another class's folder (the world's Wan VAE as Qwen-Image's)
+            return cast(_foreign_asset(cls, TRAINED_ASSETS[arch]), dtype)
         with _no_progress_bar():  # a shipped tiny asset loads in milliseconds; transformers would draw a bar
             return cast(cls.from_pretrained(TRAINED_ASSETS[arch], local_files_only=True), dtype)
     kwargs: dict[str, Any] = {"local_files_only": not os.path.isdir(pretrained)}
@@ -258,12 +273,13 @@ def _streamed(arch: str, pretrained: str | None, subfolder: str | None, dtype: t
     folder = weights_folder(arch, pretrained, subfolder)
     files = weight_files(folder)
     float8.tie(model)
-    keys: dict[str, str] = {}  # tensor name -> its file
+    stored: list[str] = []  # the files' tensor names
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            keys.update(dict.fromkeys(handle.keys(), file))
+            stored += handle.keys()
+    renamed = {key: name for name, key in checkpoint_names(model, stored).items()}  # file's name -> the model's
     params = {id(param): param for param in model.parameters()}
-    names, source = _tensor_sources(model, keys, folder, needed=lambda param: param.is_meta)
+    names, source = _tensor_sources(model, set(renamed.values()), folder, needed=lambda param: param.is_meta)
     units = float8.units(model)
     pending: dict[str, int] = {}  # unit -> its parameters still to read
     by_key: dict[str, int] = {}
@@ -275,13 +291,14 @@ def _streamed(arch: str, pretrained: str | None, subfolder: str | None, dtype: t
     buffers = dict(model.named_buffers())
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
+            for stored_key in handle.keys():
+                key = renamed.get(stored_key, stored_key)
                 if key in by_key:
                     pid = by_key[key]
                     old = params[pid]
                     # copy=True: a tensor read from the file is a view of the file's whole memory map; one kept
                     # (already in its dtype) would keep every page of the shard read so far resident
-                    value = handle.get_tensor(key).to(dtype=old.dtype, copy=True).view(old.shape)
+                    value = handle.get_tensor(stored_key).to(dtype=old.dtype, copy=True).view(old.shape)
                     new = torch.nn.Parameter(value, requires_grad=old.requires_grad)
                     for name in names[pid]:
                         owner, _, attr = name.rpartition(".")
@@ -292,7 +309,7 @@ def _streamed(arch: str, pretrained: str | None, subfolder: str | None, dtype: t
                         float8.quantize(model, only=unit)
                         float8.give_back_freed_memory()
                 elif key in buffers:
-                    buffers[key].copy_(handle.get_tensor(key))  # copied into the buffer's own memory
+                    buffers[key].copy_(handle.get_tensor(stored_key))  # copied into the buffer's own memory
     return model
 
 
@@ -421,20 +438,48 @@ def load_weights(model: torch.nn.Module, folder: str,
 
     with contextlib.ExitStack() as stack:  # each file opened once (memory-mapped), tensors read as needed
         handles = [stack.enter_context(safe_open(file, framework="pt")) for file in weight_files(folder)]
-        where = {key: handle for handle in handles for key in handle.keys()}
+        stored = {key: handle for handle in handles for key in handle.keys()}
+        # the model's name of each stored tensor -> (its name in the files, the file)
+        where = {name: (key, stored[key]) for name, key in checkpoint_names(model, stored).items()}
         # a missing weight is decided on every process from the file listing, before any collective
         _, key = _tensor_sources(model, where, folder)
+
+        def read(name: str) -> torch.Tensor:
+            stored_key, handle = where[name]
+            return handle.get_tensor(stored_key)
+
         for prefix, module in model.named_modules():
             params = list(module.parameters(recurse=False))
             if params:
                 with gather(params):
                     if reads:
                         for param in params:
-                            param.data.copy_(where[key[id(param)]].get_tensor(key[id(param)]).view_as(param.data))
+                            param.data.copy_(read(key[id(param)]).view_as(param.data))
             for name, buffer in module.named_buffers(recurse=False):
                 name = f"{prefix}.{name}" if prefix else name
                 if name in where:
-                    buffer.copy_(where[name].get_tensor(name))
+                    buffer.copy_(read(name))
+
+
+def checkpoint_names(model: torch.nn.Module, stored: Iterable[str]) -> dict[str, str]:
+    """The model's name of each tensor name ``stored`` in a weights folder -> that stored name: the same for a
+    diffusers model; for a transformers model the name transformers' own loading gives it (its conversion mapping's
+    renamings: a checkpoint of an older layout, e.g. Qwen2.5-VL's ``model.layers.*``, which transformers 5 holds as
+    ``model.language_model.layers.*``, as the hub's Qwen-Image ``text_encoder`` is saved). Tensors that transformers
+    would fuse or split (its converters) keep their names: a streamed load reads one tensor into one parameter."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return {key: key for key in stored}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    own = model.state_dict(keep_vars=True)  # names only (a skeleton's tensors may be on the meta device)
+    names: dict[str, str] = {}
+    for key in stored:
+        names.setdefault(rename_source_key(key, renamings, [], model.base_model_prefix, own)[0], key)
+    return names
 
 
 def _tensor_sources(model: torch.nn.Module, keys: Container[str], folder: str,

@@ -88,7 +88,8 @@ class Architecture:
         codec: how a VAE maps pixels to the normalized latents every adapter works in (``VAECodec``; every ``vae``
             declares one).
         asset: ``modules/assets/<name>`` ships trained weights of exactly this preset, loaded when the expert has
-            no ``preset`` overrides.
+            no ``preset`` overrides; a folder name instead of True: that folder of ``modules/assets`` (another
+            architecture's weights that this class loads key for key, e.g. the world's Wan VAE as Qwen-Image's).
         causal: a block-causal generator (samples chunk by chunk through a KV cache: ``sampler.chunk_frames``).
         layer_keys: the config keys that count identical blocks (estimate traces 1 and 2 of each kind).
         blocks: the name of the ``ModuleList`` of identical blocks, and ``residual_outputs`` the Linear layers inside
@@ -110,7 +111,7 @@ class Architecture:
     kind: Literal["generator", "vae", "text_encoder", "image_encoder", "lm"]
     adapter: Optional["GeneratorAdapter"] = None
     codec: Optional["VAECodec"] = None
-    asset: bool = False
+    asset: bool | str = False
     causal: bool = False
     layer_keys: tuple[str, ...] = ()
     blocks: Optional[str] = None

@@ -188,21 +188,25 @@ class QwenImageVAE(WanVAE):
 
 
 ARCHITECTURES = {
-    # QwenImageTransformer2DModel, 0.1M parameters: 2×2 packed latents of the 16-channel VAE (in_channels 64), the
-    # text encoder's width as joint_attention_dim, RoPE axes summing to the head dim. A 32 px image is 8×8 latents,
-    # 16 tokens.
+    # QwenImageTransformer2DModel: 2×2 packed latents of the 16-channel VAE (in_channels 64), the text encoder's
+    # width as joint_attention_dim, RoPE axes summing to the head dim; FLUX's tiny width (2 heads of 32), 0.34M
+    # parameters. A 32 px image is 8×8 latents, 16 tokens. Without overrides it loads the shipped asset, pretrained
+    # on the world jointly with the ``qwen2_5_vl`` asset (scripts/train_qwen_image.py).
     "qwen_image": Architecture(QwenImageTransformer2DModel, dict(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
-    ), "generator", adapter=QwenImage(), layer_keys=("num_layers",)),
-    # AutoencoderKLQwenImage: 4x spatial (three levels, two downsampling), 2x temporal (irrelevant to one frame),
-    # 16 latent channels, width 16; Qwen-Image's published latents_mean / latents_std (the class defaults)
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32, num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM, axes_dims_rope=(8, 12, 12),
+    ), "generator", adapter=QwenImage(), asset=True, layer_keys=("num_layers",)),
+    # AutoencoderKLQwenImage: 4x spatial (three levels, two downsampling), 4x temporal (irrelevant to one frame),
+    # 16 latent channels, width 16: the world's Wan VAE (``wan_vae``), whose weights this class loads key for key.
+    # Without overrides it loads them (modules/assets/wan_vae, with their latents_mean / latents_std); with
+    # overrides, random weights and Qwen-Image's published latents_mean / latents_std (the class defaults).
     "qwen_image_vae": Architecture(AutoencoderKLQwenImage, dict(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[False, True],
-    ), "vae", codec=QwenImageVAE()),
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
+    ), "vae", codec=QwenImageVAE(), asset="wan_vae"),
     # Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``), read for its text only; the class carries a vision tower,
     # kept tiny. The vocabulary holds ByT5's ids too (384 >= the 367 of TOKENIZER_ASSET), so an expert without a
-    # tokenizer folder reads ByT5 ids; mrope_section sums to half the head dim (8 of 16).
+    # tokenizer folder reads ByT5 ids; mrope_section sums to half the head dim (8 of 16). Without overrides it loads
+    # the shipped asset, trained with the ``qwen_image`` asset on TOKENIZER_ASSET's ids (give an expert that tokenizer).
     "qwen2_5_vl": Architecture(Qwen2_5_VLForConditionalGeneration, dict(
         text_config=dict(vocab_size=BYT5_VOCAB, hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
@@ -210,5 +214,5 @@ ARCHITECTURES = {
                          bos_token_id=None, eos_token_id=366, pad_token_id=364),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_DIM,
                            patch_size=2, window_size=8, fullatt_block_indexes=[0]),
-    ), "text_encoder"),
+    ), "text_encoder", asset=True),
 }
