@@ -320,7 +320,7 @@ class JointRL(ExpertModule):
             problems += sde_problems(self.rollout_sampler, sampler_option)
         # credit read from reward terms: ask the reward once, on a dummy sample, for the terms it returns
         needed = [(name, "credit='per_expert'",
-                   f"score each refiner's own part (IntentReward(concerns=...), RefinementKeyword) or use credit: shared")
+                   "score each refiner's own part (IntentReward(concerns=...), RefinementKeyword) or use credit: shared")
                   for name in card.refiners if credit == "per_expert"]
         needed += [(generator_term, "generator_term", "name one of them or remove generator_term")
                    for _ in range(generator_term is not None)]

@@ -29,7 +29,6 @@ from diffusers import WanTransformer3DModel
 from torchmetrics.functional.image import peak_signal_noise_ratio
 
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
-from posttrain.modules.models import vae as vae_codec
 from posttrain.modules.models.cards import Expert, ModelCard
 from posttrain.modules.models.generators import GeneratorStage, VideoSize
 from posttrain.modules.world.geneval import SyntheticGenEval

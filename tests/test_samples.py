@@ -7,7 +7,6 @@ import logging
 import os
 
 import pytest
-import torch
 from lightning.pytorch import LightningDataModule
 
 from posttrain.callbacks.samples import DEFAULT_PROMPTS, SampleVideos, prompt_shares
