@@ -196,3 +196,34 @@ def dmd2_steps_student_and_critic_twice(module, prompts: list[str]) -> None:
     assert all(torch.isfinite(metrics[f"train/loss/{name}"]) for name in ("transformer", "critic"))
     assert torch.isfinite(metrics["train/dmd_grad_abs/transformer"])
     assert_one_metric_scheme(metrics, card)
+
+
+def joint_rl_steps_refiner_and_generator(module, prompts: list[str]) -> None:
+    """One joint-RL iteration of ``module`` (one refiner ``refiner_0`` appending to each request, the generator
+    ``transformer``) on ``prompts``: the rollout's log-probabilities (the generator's SDE steps, the refiner's tokens)
+    recompute at its weights, both experts step once (a version each) and move, their frozen KL references and the
+    text encoder stay at version 0, and the served captions are each request followed by its refinement."""
+    from posttrain.callbacks.parity import LogProbParityCheck
+    from posttrain.datamodules.prompts import Prompts
+
+    card = module.card
+    module.configure_model()
+    experts = ["refiner_0", "transformer"]
+    before = {name: {k: v.detach().clone() for k, v in card[name].state_dict().items()} for name in experts}
+    parity = LogProbParityCheck(every_n_iterations=1, tolerance=1e-5)
+    trainer = quick_trainer(1, log_every_n_steps=1, callbacks=[parity])
+    trainer.fit(module, Prompts(prompts=prompts, batch_size=2))
+    assert trainer.global_step == 1 and len(trainer.optimizers) == 2
+    assert parity.checks == 1 and parity.last_gap < 1e-5
+    for name in experts:
+        assert any(not torch.equal(before[name][k], v) for k, v in card[name].state_dict().items()), name
+    assert {name: card.versions[name] for name in [*experts, "refiner_0_reference", "transformer_reference",
+                                                   "text_encoder"]} == \
+        {"refiner_0": 1, "transformer": 1, "refiner_0_reference": 0, "transformer_reference": 0, "text_encoder": 0}
+    metrics = trainer.callback_metrics
+    assert sorted(k for k in trainer.logged_metrics if k.startswith("train/grad_norm/")) == \
+        [f"train/grad_norm/{name}" for name in experts]
+    assert all(torch.isfinite(metrics[f"train/loss/{name}"]) for name in experts)
+    assert_one_metric_scheme(metrics, card)
+    module.generate(prompts, seed=0)  # served through the refiner: each request, then its refinement
+    assert all(c.startswith(f"{p} → {p}, ") for c, p in zip(module.sample_captions(prompts), prompts))

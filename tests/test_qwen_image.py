@@ -32,8 +32,8 @@ from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rl.grpo import GRPOArgs
 from posttrain.modules.rl.refiner_args import RefinerArgs
 from tests.conftest import adamw
-from tests.helpers import (assert_one_metric_scheme, dmd2_steps_student_and_critic_twice, fit_shipped_config_once,
-                           quick_trainer)
+from tests.helpers import (dmd2_steps_student_and_critic_twice, fit_shipped_config_once,
+                           joint_rl_steps_refiner_and_generator, quick_trainer)
 from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 from tests.test_export_generators import finetuned
 
@@ -266,26 +266,7 @@ def test_joint_rl_trains_a_refiner_and_the_generator(one_thread):
                      grpo=GRPOArgs(num_samples_per_prompt=4, timestep_fraction=1.0),
                      refiners=RefinerArgs(max_new_tokens=8, mode="append", num_unrefined=1),
                      run=RunArgs(frames=1, height=32, width=32))
-    module.configure_model()
-    experts = ["refiner_0", "transformer"]
-    before = {name: weights_of(card, name) for name in experts}
-    parity = LogProbParityCheck(every_n_iterations=1, tolerance=1e-5)  # the generator's SDE steps and the tokens
-    trainer = quick_trainer(1, log_every_n_steps=1, callbacks=[parity])
-    trainer.fit(module, Prompts(prompts=PROMPTS, batch_size=2))
-    assert trainer.global_step == 1 and len(trainer.optimizers) == 2
-    assert parity.checks == 1 and parity.last_gap < 1e-5
-    for name in experts:
-        assert any(not torch.equal(before[name][k], v) for k, v in weights_of(card, name).items()), name
-    assert {name: card.versions[name] for name in [*experts, "refiner_0_reference", "transformer_reference",
-                                                   "text_encoder"]} == \
-        {"refiner_0": 1, "transformer": 1, "refiner_0_reference": 0, "transformer_reference": 0, "text_encoder": 0}
-    metrics = trainer.callback_metrics
-    assert sorted(k for k in trainer.logged_metrics if k.startswith("train/grad_norm/")) == \
-        [f"train/grad_norm/{name}" for name in experts]
-    assert all(torch.isfinite(metrics[f"train/loss/{name}"]) for name in experts)
-    assert_one_metric_scheme(metrics, card)
-    module.generate(PROMPTS, seed=0)  # served through the refiner: each request, then its refinement
-    assert all(c.startswith(f"{p} → {p}, ") for c, p in zip(module.sample_captions(PROMPTS), PROMPTS))
+    joint_rl_steps_refiner_and_generator(module, PROMPTS)
 
 
 @pytest.mark.parametrize("config", ["finetune_qwen_image.yaml", "flow_grpo_qwen_image.yaml"])

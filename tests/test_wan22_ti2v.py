@@ -33,7 +33,8 @@ from posttrain.modules.rewards.synthetic import ColourAlignment
 from posttrain.modules.rl.grpo import GRPOArgs
 from posttrain.modules.rl.rollout import Rollout
 from tests.conftest import adamw, i2v_card
-from tests.helpers import dmd2_steps_student_and_critic_twice, fit_shipped_config_once, quick_trainer
+from tests.helpers import (dmd2_steps_student_and_critic_twice, fit_shipped_config_once,
+                           joint_rl_steps_refiner_and_generator, quick_trainer)
 from tests.test_estimate import shipped_config_estimate_matches_a_real_forward
 from tests.test_export_generators import finetuned as export_finetuned
 from tests.test_folder_data import caption, clip
@@ -199,6 +200,25 @@ def distill_card(arch: str = "wan22_ti2v", lr: float = 1e-3) -> ModelCard:
 
     return ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan22_vae"),
                       "teacher": Expert(arch=arch), "transformer": trained(), "critic": trained()}, text_max_length=32)
+
+
+def test_joint_rl_trains_a_refiner_and_the_text_to_video_generator(one_thread):
+    """Joint RL with TI2V text-to-video: one tiny Qwen2 refiner appends to each request, the generator reads its text
+    through UMT5 with one timestep per token, one reward (ColourAlignment) scores the K = 4 clips of each request; one
+    iteration steps both with log-probability parity (the generator's SDE steps and the refiner's tokens)."""
+    from posttrain.lit.joint_rl import JointRL
+    from posttrain.modules.rl.refiner_args import RefinerArgs
+
+    torch.manual_seed(0)
+    card = ModelCard({"text_encoder": Expert(arch="umt5"), "vae": Expert(arch="wan22_vae"),
+                      "transformer": Expert(arch="wan22_ti2v", trainable=True, optimizer=adamw(1e-3))},
+                     num_refiners=1, refiner=Expert(arch="qwen2", trainable=True, optimizer=adamw(2e-2)),
+                     text_max_length=48)
+    module = JointRL(card, FlowMatchSampler(num_steps=3), reward=ColourAlignment(),
+                     grpo=GRPOArgs(num_samples_per_prompt=4, timestep_fraction=1.0),
+                     refiners=RefinerArgs(max_new_tokens=8, mode="append", num_unrefined=1),
+                     run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width))
+    joint_rl_steps_refiner_and_generator(module, PROMPTS)
 
 
 def test_dmd2_distills_a_text_to_video_student(one_thread):
