@@ -10,6 +10,8 @@ test that shows it is why ``swap_blocks`` requires checkpointing.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -240,3 +242,16 @@ def test_flow_grpo_keeps_log_probability_parity_with_swapped_blocks(use_fp8, one
     quick_trainer(max_steps=2, callbacks=[parity]).fit(module, Prompts(prompts=PROMPTS, batch_size=2))
     assert module.card.swapped["transformer"].copies > 0
     assert parity.checks == 2 and parity.last_gap < 1e-5
+
+
+def test_the_estimate_of_the_24gb_recipe_counts_its_swapped_blocks_in_host_memory():
+    """``posttrain estimate`` applies ``swap_blocks`` to the expert's row: the one-GPU 14B recipe (24 of 40 blocks)
+    has the swapped blocks' bytes in its host column and all but two of them out of its weights."""
+    from posttrain.lit.tools.estimate import GIB, estimate
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "recipes",
+                          "wan2.1_t2v_14b_lora_24gb.yaml")
+    row = estimate(recipe, devices=1, activations=False, random_weights=True)["transformer"]
+    assert "blocks swapped" in row.placement
+    assert 7.5 * GIB < row.host_bytes < 8.2 * GIB  # 24 blocks of 0.33 GiB in float8
+    assert 6.5 * GIB < row.param_bytes < 7.4 * GIB  # 16 resident blocks + 2 of the swapped, embeddings and norms

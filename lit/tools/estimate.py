@@ -357,19 +357,25 @@ def weight_bytes(spec: Expert, model: nn.Module, fp8: Optional[dict[int, int]] =
     """Bytes of ``model``'s weights as the expert stores them: each in its dtype, but an fp8 weight (``fp8_weights``,
     or ``fp8`` when given) at ``fp8.bytes_per_parameter``: 1 byte a parameter plus its scale, one value per output
     row in the weight's dtype."""
+    fp8 = fp8_weights(spec, model) if fp8 is None else fp8
+    return sum({id(p): stored_bytes(p, fp8) for p in model.parameters()}.values())
+
+
+def stored_bytes(tensor: torch.Tensor, fp8: dict[int, int]) -> int:
+    """Bytes of one tensor as the expert stores it: in its dtype, or, among the ``fp8`` weights (``fp8_weights``), at
+    ``fp8.bytes_per_parameter``."""
     from posttrain.modules.models.fp8 import bytes_per_parameter
 
-    fp8 = fp8_weights(spec, model) if fp8 is None else fp8
-    sizes = {id(p): round(p.numel() * bytes_per_parameter(fp8[id(p)], p.dtype)) if id(p) in fp8
-             else p.numel() * p.element_size() for p in model.parameters()}
-    return sum(sizes.values())
+    if id(tensor) in fp8:
+        return round(tensor.numel() * bytes_per_parameter(fp8[id(tensor)], tensor.dtype))
+    return tensor.numel() * tensor.element_size()
 
 
 def swapped_block_bytes(spec: Expert, model: nn.Module) -> tuple[int, int]:
     """(bytes in host memory, bytes on the device at a time) of ``model``'s blocks that ``Expert.swap_blocks``
     swaps: the frozen tensors of its last ``swap_blocks`` blocks as the expert stores them (``weight_bytes``), of
     which ``SwappedBlocks.RESIDENT`` blocks (the largest) are on the device at once."""
-    from posttrain.modules.models.fp8 import blocks, bytes_per_parameter
+    from posttrain.modules.models.fp8 import blocks
     from posttrain.modules.models.parked import SwappedBlocks
 
     paths = blocks(model)
@@ -381,8 +387,7 @@ def swapped_block_bytes(spec: Expert, model: nn.Module) -> tuple[int, int]:
     for path in paths[len(paths) - spec.swap_blocks:]:
         block = model.get_submodule(path)
         frozen = {id(t): t for t in (*block.parameters(), *block.buffers()) if not t.requires_grad}
-        sizes.append(sum(round(t.numel() * bytes_per_parameter(fp8[i], t.dtype)) if i in fp8
-                         else t.numel() * t.element_size() for i, t in frozen.items()))
+        sizes.append(sum(stored_bytes(t, fp8) for t in frozen.values()))
     return sum(sizes), sum(sorted(sizes, reverse=True)[:SwappedBlocks.RESIDENT])
 
 

@@ -23,8 +23,7 @@ class Parked:
     def __init__(self, module: nn.Module, device: torch.device):
         self.device = torch.device(device)
         self.tensors = [*module.parameters(), *module.buffers()]
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self.host = [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in self.tensors]
+        self.host = host_copies(self.tensors, self.device)
         self.calls = 0
         self._held = False
         self._home()
@@ -92,9 +91,8 @@ class SwappedBlocks:
 
     def __init__(self, blocks: list[list[nn.Module]], tensors: list[list[torch.Tensor]], device: torch.device):
         self.device = torch.device(device)
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
         self.groups = [list({id(t): t for t in group}.values()) for group in tensors]
-        self.host = [[t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in group] for group in self.groups]
+        self.host = [host_copies(group, self.device) for group in self.groups]
         self.swapped = {id(t) for group in self.groups for t in group}
         self.resident: list[int] = []  # block indices on the device, the oldest first
         self.copies = 0
@@ -156,6 +154,13 @@ class Unloaded:
 
     def _refuse(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise self.error()
+
+
+def host_copies(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The host copies of ``tensors`` that ``Parked`` and ``SwappedBlocks`` bring to ``device`` (the tensors themselves
+    where they already are on the host): pinned for a CUDA device, so the copies run at the link's speed."""
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    return [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in tensors]
 
 
 def _kept(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
