@@ -427,10 +427,13 @@ class ExpertModule(ExactResume, DeferredLogging):
         return next((name for name, (of, role) in self.card.roles.items() if of in generators and role == "ema"),
                     self.stage.transformer)
 
-    def conditioning(self, prompts: list[str], sampler: FlowMatchSampler, images: Optional[torch.Tensor] = None):
+    def conditioning(self, prompts: list[str], sampler: FlowMatchSampler, images: Optional[torch.Tensor] = None,
+                     latents: Optional[torch.Tensor] = None):
         """``prompts``' conditioning and, when ``sampler`` guides (CFG), the empty prompt's (cached like any
-        prompt); an image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos."""
-        return self.stage.conditioning(prompts, sampler.guidance_scale, self.device, images=images, size=self.video)
+        prompt); an image-to-video generator also reads ``images`` (B, 3, H, W), the first frames of its videos, or
+        reads them off the clips' clean ``latents`` (``first_frames``)."""
+        return self.stage.conditioning(prompts, sampler.guidance_scale, self.device, images=images, size=self.video,
+                                       latents=latents)
 
     def batch_images(self, batch: dict) -> Optional[torch.Tensor]:
         """The conditioning images of a batch for an image-to-video generator: its ``image`` (B, 3, H, W),
@@ -445,15 +448,23 @@ class ExpertModule(ExactResume, DeferredLogging):
                          f"frame, but the batch holds only {sorted(batch)}: use a datamodule whose batches carry "
                          f"`image` or `video` (SyntheticVideos, VideoFolder), or a workflow with an image stage")
 
+    def first_frames(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Where an image-to-video generator reads each row's first frame, as keywords of ``conditioning`` and
+        ``generate``: ``{"images": ...}`` (``batch_images``), or, for a batch of precomputed ``latents`` without pixels
+        (a ``latents_cache``, ``PrecomputedVideos``), ``{"latents": ...}``, which a generator whose image is the clip's
+        first latent frame reads off them with its adapter's ``image_from_latents`` (Wan 2.2 TI2V: its VAE is causal
+        in time, so the frame is the first pixel frame's latents alone; any other generator refuses them, naming
+        why). ``{}`` for a generator that reads no image."""
+        if not self.stage.takes_image:
+            return {}
+        if "latents" in batch and "image" not in batch and "video" not in batch:
+            return {"latents": batch["latents"].float()}
+        return {"images": self.batch_images(batch)}
+
     def condition_batch(self, batch: dict, prompts: list[str], size: VideoSize) -> Conditioning:
         """``prompts``' conditioning for the rows of ``batch`` (``size`` videos): the text and, for an image-to-video
-        generator, each row's first frame (``batch_images``). A batch of precomputed ``latents`` without pixels (a
-        ``latents_cache``, ``PrecomputedVideos``) conditions a generator whose image is the clip's first latent frame
-        on that frame, read off the latents by its adapter's ``image_from_latents`` (Wan 2.2 TI2V: its VAE is causal
-        in time, so the frame is the first pixel frame's latents alone); any other generator refuses it there."""
-        if self.stage.takes_image and "latents" in batch and "image" not in batch and "video" not in batch:
-            return self.stage.condition(prompts, self.device, latents=batch["latents"].float(), size=size)
-        return self.stage.condition(prompts, self.device, images=self.batch_images(batch), size=size)
+        generator, each row's first frame (``first_frames``)."""
+        return self.stage.condition(prompts, self.device, size=size, **self.first_frames(batch))
 
     def batch_latents(self, batch: dict, reader: str, alternative: str = "") -> torch.Tensor:
         """(B, C, F', h, w) the batch's clean latents: its precomputed ``latents``, or the VAE's of its ``video``
@@ -468,16 +479,16 @@ class ExpertModule(ExactResume, DeferredLogging):
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False,
-                 images: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 images: Optional[torch.Tensor] = None, latents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, C, F, H, W) videos in [-1, 1] for ``prompts`` (and, image-to-video, their first frames
-        ``images``): the sampler's loop over the serving transformer (chunk by chunk for a block-causal one),
-        then VAE decoding. The noise is ``torch.randn`` of one CPU rng seeded with ``seed``, in the
-        latent shape (C, F', h, w) the diffusers pipeline draws, so ``WanPipeline(latents=that noise)``
-        reproduces it (``FluxPipeline`` takes it packed, ``Flux.pack(noise)``)."""
+        ``images``, or the clean clip ``latents`` they are read off: ``first_frames``): the sampler's loop over the
+        serving transformer (chunk by chunk for a block-causal one), then VAE decoding. The noise is ``torch.randn``
+        of one CPU rng seeded with ``seed``, in the latent shape (C, F', h, w) the diffusers pipeline draws, so
+        ``WanPipeline(latents=that noise)`` reproduces it (``FluxPipeline`` takes it packed, ``Flux.pack(noise)``)."""
         shape = self.stage.latent_shape(self.video)
         rng = torch.Generator().manual_seed(seed)
         noise = torch.randn((len(prompts), *shape), generator=rng).to(self.device)
-        cond, uncond = self.conditioning(prompts, self.sampler, images)
+        cond, uncond = self.conditioning(prompts, self.sampler, images, latents)
         # the same rng draws any later noise (a few-step student's re-noise steps)
         traj = self.stage.sample(self.sampler, noise, cond, uncond, name=self.serving_transformer, rng=rng)
         return traj.latents if latents_only else self.stage.decode(traj.latents)
@@ -490,7 +501,7 @@ class ExpertModule(ExactResume, DeferredLogging):
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompt"])
         return {"prompts": prompts, "videos": self.generate(prompts, seed=batch_schema.seed(batch, batch_idx),
-                                                            images=self.batch_images(batch)).cpu()}
+                                                            **self.first_frames(batch)).cpu()}
 
 
 def stage_serving_settings(stage: GeneratorStage, sampler: FlowMatchSampler, size: VideoSize,

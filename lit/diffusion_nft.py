@@ -115,9 +115,9 @@ class DiffusionNFT(ExpertModule):
         # 1. conditioning: each prompt repeated K times (a group, encoded once by the cache)
         group_prompts = [p for p in prompts for _ in range(K)]
         group_ids = batch_schema.group_ids(batch, K)
-        images = self.batch_images(batch)  # image-to-video: each prompt's first frame, None otherwise
-        images = images.repeat_interleave(K, dim=0) if images is not None else None
-        cond, uncond = self.conditioning(group_prompts, self.rollout_sampler, images)  # B·K rows
+        # image-to-video: each prompt's first frame (its image, its video's, or its cached latents'), K times
+        first = {key: value.repeat_interleave(K, dim=0) for key, value in self.first_frames(batch).items()}
+        cond, uncond = self.conditioning(group_prompts, self.rollout_sampler, **first)  # B·K rows
 
         # 2. roll out K clean samples per prompt from the `old` policy with the ODE sampler
         x0 = Rollout.sample(self.stage, self.rollout_sampler, cond, uncond, self.stage.latent_shape(self.video),
@@ -179,6 +179,6 @@ class DiffusionNFT(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of ODE samples of the policy from fixed noise (seed = batch index)."""
         prompts = list(batch["prompt"])
-        videos = self.generate(prompts, seed=batch_idx, images=self.batch_images(batch))
+        videos = self.generate(prompts, seed=batch_idx, **self.first_frames(batch))
         self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
                  batch_size=len(prompts), sync_dist=True)

@@ -77,9 +77,9 @@ class FlowGRPO(ExpertModule):
         #    Group keys come with the batch, the same on every process.
         group_prompts = [p for p in prompts for _ in range(K)]
         group_ids = batch_schema.group_ids(batch, K)
-        images = self.batch_images(batch)  # image-to-video: each prompt's first frame, None otherwise
-        images = images.repeat_interleave(K, dim=0) if images is not None else None
-        cond, uncond = self.conditioning(group_prompts, sampler, images)  # B·K rows
+        # image-to-video: each prompt's first frame (its image, its video's, or its cached latents'), K times
+        first = {key: value.repeat_interleave(K, dim=0) for key, value in self.first_frames(batch).items()}
+        cond, uncond = self.conditioning(group_prompts, sampler, **first)  # B·K rows
 
         # 2. roll out K SDE samples per prompt, capturing x_t and log p of every step
         rollout = Rollout.sample(self.stage, sampler, cond, uncond, self.stage.latent_shape(self.video),
@@ -136,6 +136,6 @@ class FlowGRPO(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Reward of ODE samples from fixed noise (seed = batch index): comparable across the run."""
         prompts = list(batch["prompt"])
-        videos = self.generate(prompts, seed=batch_idx, images=self.batch_images(batch))
+        videos = self.generate(prompts, seed=batch_idx, **self.first_frames(batch))
         self.log("val/reward", score(self.reward, videos, prompts).total.mean(), prog_bar=True,
                  batch_size=len(prompts), sync_dist=True)

@@ -233,12 +233,12 @@ class JointRL(ExpertModule):
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False,
-                 images: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 images: Optional[torch.Tensor] = None, latents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Serving = the trained system: the refiners refine (seeded by ``seed``), the generator samples (from
-        ``images`` too for an image-to-video generator, as ``ExpertModule.generate``)."""
+        ``images`` or ``latents`` too for an image-to-video generator, as ``ExpertModule.generate``)."""
         _, served = self.refine(prompts, seed)
         self.served = dict(zip(prompts, served))
-        return super().generate(served, seed=seed, latents_only=latents_only, images=images)
+        return super().generate(served, seed=seed, latents_only=latents_only, images=images, latents=latents)
 
     def sample_captions(self, prompts: list[str]) -> list[str]:
         """Captions ``request → served prompt`` of the last ``generate`` (read by ``callbacks.SampleVideos``)."""

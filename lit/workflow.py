@@ -54,9 +54,9 @@ class Workflow(ExpertModule):
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seed: int = 0, latents_only: bool = False,
-                 images: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 images: Optional[torch.Tensor] = None, latents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, 3, F, H, W) final media of the workflow in [-1, 1]."""
-        if latents_only or images is not None:
+        if latents_only or images is not None or latents is not None:
             raise ValueError("a workflow generates from prompts alone and returns its final media")
         return self.run_stages(prompts, seed)[self.stages[-1].name].media
 

@@ -35,6 +35,20 @@ the shipped codec's latent space, and a VAE from another run does not decode the
 
    (37.5 min on one thread beside another job): windows 0.94 / 0.89 / 0.89 / 0.98 / 0.95, the whole clip 0.94.
 
+4. ``--arch wan22_vae``: the world's Wan 2.2 VAE (the TI2V family's: residual blocks, 2x2 pixel patches, 48 latent
+   channels, 8x spatial). ``modules/assets/wan22_vae`` is its codec stage, then a decoder of twice the width on the
+   frozen encoder (the published VAE's decoder is wider than its encoder too), on whole 32 px frames (at 8x a 16 px
+   crop is 2 x 2 latents: after 4000 steps it read back shape 0.34, colour 0.55), each on one thread beside another job:
+
+       python scripts/train_vae.py --arch wan22_vae --stage codec --steps 6000 --crop 32 --eval-every 500 \
+           --out runs/ti2v/wan22_vae_c32                                  # 8.7 min: shape 0.47, the rest 1.0
+       python scripts/train_vae.py --arch wan22_vae --stage decoder --codec runs/ti2v/wan22_vae_c32 \
+           --decoder-base-dim 32 --steps 6000 --crop 32 --eval-every 1000 --out modules/assets/wan22_vae
+                                                                          # 14.7 min: shape 0.85, the rest 1.0
+
+   The codec's narrow decoder rounds every corner (shape read back 0.47); the wider one reads back 0.85. The TI2V
+   generator (``scripts/train_ti2v.py``) trains on the codec's latents, which the decoder stage leaves as they are.
+
 Every ``--eval-every`` steps it prints how well ``--eval-videos`` held-out videos' reconstructions read
 back (``modules/world/geneval.py``).
 
@@ -139,6 +153,8 @@ def train(vae: AutoencoderKLWan, params: list[torch.nn.Parameter], args, label: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=["both", "codec", "decoder", "long-decoder"], default="both")
+    parser.add_argument("--arch", choices=["wan_vae", "wan22_vae"], default="wan_vae",
+                        help="the preset to train: the world's Wan 2.1 VAE or its Wan 2.2 (TI2V) VAE")
     parser.add_argument("--codec", help="stage 1's folder, for --stage decoder and long-decoder")
     parser.add_argument("--steps", type=int, default=10000, help="optimizer steps per stage (cosine decay to 0)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -180,7 +196,8 @@ def main() -> None:
     # 1. codec: encoder + narrow decoder
     if args.stage in ("both", "codec"):
         torch.manual_seed(0)
-        codec = AutoencoderKLWan(**PRESETS["wan_vae"])
+        # the decoder as wide as the encoder (a preset's wider decoder is stage 2's)
+        codec = AutoencoderKLWan(**{**PRESETS[args.arch], "decoder_base_dim": None})
         print(f"stage 1: AutoencoderKLWan {sum(p.numel() for p in codec.parameters()) / 1e6:.3f}M parameters")
         train(codec, list(codec.parameters()), args, "codec")
         if args.stage == "codec":
@@ -191,7 +208,7 @@ def main() -> None:
         codec = AutoencoderKLWan.from_pretrained(args.codec, local_files_only=True)
     # 2. decoder: a wider decoder, trained from scratch on the frozen encoder
     torch.manual_seed(1)
-    vae = AutoencoderKLWan(**{**PRESETS["wan_vae"], "decoder_base_dim": args.decoder_base_dim})
+    vae = AutoencoderKLWan(**{**PRESETS[args.arch], "decoder_base_dim": args.decoder_base_dim})
     frozen = {k: v for k, v in codec.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
     missing = vae.load_state_dict(frozen, strict=False).missing_keys
     assert all(k.startswith(("decoder.", "post_quant_conv.")) for k in missing), missing

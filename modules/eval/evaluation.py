@@ -50,27 +50,29 @@ def generate(transformer: torch.nn.Module, text_encoder: Modules, tokenizer, vae
              prompts: Sequence[str], seed: int = 0, frames: int = 5, height: int = 32, width: int = 32,
              sampler: Optional[FlowMatchSampler] = None, text_max_length: int = 64,
              arch: str = "wan_t2v", transformer_2: Optional[torch.nn.Module] = None,
-             boundary_ratio: Optional[float] = None) -> torch.Tensor:
+             boundary_ratio: Optional[float] = None, images: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(B, 3, F, H, W) decoded ODE samples of ``prompts`` from noise seeded by ``seed``, as ``predict``
     makes them (the configs' sampler by default: 20 Euler steps, shift 3), through ``transformer`` or the pair
-    ``transformer`` / ``transformer_2`` at ``boundary_ratio``. The one place evaluation calls the sampler."""
+    ``transformer`` / ``transformer_2`` at ``boundary_ratio``; with ``images`` (B, 3, H, W) in [-1, 1], image-to-video
+    from those first frames (CFG's negative pass swaps only the text). The one place evaluation calls the sampler."""
     sampler = sampler or FlowMatchSampler(num_steps=20)
     stage = stage_of(transformer, text_encoder, tokenizer, vae, arch, text_max_length, transformer_2, boundary_ratio)
-    shape = stage.latent_shape(VideoSize(frames, height, width))
-    noise = torch.randn((len(prompts), *shape), generator=torch.Generator().manual_seed(seed))
-    cond = stage.condition(list(prompts))
-    uncond = stage.condition([""] * len(prompts)) if sampler.guidance_scale != 1.0 else None
+    size = VideoSize(frames, height, width)
+    noise = torch.randn((len(prompts), *stage.latent_shape(size)), generator=torch.Generator().manual_seed(seed))
+    cond, uncond = stage.conditioning(list(prompts), sampler.guidance_scale, images=images, size=size)
     return stage.decode(stage.sample(sampler, noise, cond, uncond).latents)
 
 
 def evaluate_generator(transformer: torch.nn.Module, text_encoder: Modules, tokenizer,
                        vae: torch.nn.Module, prompts: Sequence[str], batch_size: int = 16, seed: int = 0,
-                       **generate_kwargs) -> dict[str, torch.Tensor]:
-    """Synthetic GenEval of a generator's samples of ``prompts`` (batch ``i`` from seed ``seed + i``; ``generate_kwargs``:
-    ``generate``'s, e.g. a pair's ``transformer_2`` and ``boundary_ratio``)."""
+                       images: Optional[torch.Tensor] = None, **generate_kwargs) -> dict[str, torch.Tensor]:
+    """Synthetic GenEval of a generator's samples of ``prompts`` (batch ``i`` from seed ``seed + i``; ``images``: one
+    first frame per prompt, for image-to-video; ``generate_kwargs``: ``generate``'s, e.g. a pair's ``transformer_2``
+    and ``boundary_ratio``)."""
     metric = SyntheticGenEval()
     for i in range(0, len(prompts), batch_size):
         batch = list(prompts[i:i + batch_size])
+        first = None if images is None else images[i:i + batch_size]
         metric.update(generate(transformer, text_encoder, tokenizer, vae, batch, seed=seed + i // batch_size,
-                               **generate_kwargs), batch)
+                               images=first, **generate_kwargs), batch)
     return metric.compute()

@@ -38,7 +38,7 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.flow.samplers import CleanLatents
 from posttrain.modules.models.generators.base import TEXT_DIM, Architecture, _config, _dtype, codec_of
-from posttrain.modules.models.generators.wan import _WAN_BLOCKS, WanT2V, WanVAE, _image_batch
+from posttrain.modules.models.generators.wan import _WAN_BLOCKS, WAN_T2V, WanT2V, WanVAE, _image_batch
 
 # The Wan 2.2 VAE's per-channel latent statistics (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json; diffusers'
 # scripts/convert_wan_to_diffusers.py vae22_diffusers_config): what its 48 latent channels are normalized by
@@ -145,25 +145,28 @@ class WanTI2V(WanT2V):
         return {**shapes, "timestep": (forward.rows, (f // patch[0]) * (h // patch[1]) * (w // patch[2]))}
 
 
-# WanTransformer3DModel of TI2V-5B's layout at the size of the world's Wan (``wan.WAN_T2V``): 48 latent channels in
-# and out, patch (1, 2, 2) (the pipelines' ``[:, ::2, ::2]`` token timesteps assume it); 0.17M parameters, random
-# weights (no shipped asset). A 9 x 64 x 64 video is 3 x 4 x 4 latents, 3 x 2 x 2 = 12 tokens.
-WAN22_TI2V = dict(
-    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=48, out_channels=48,
-    text_dim=TEXT_DIM, freq_dim=64, ffn_dim=128, num_layers=2, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-)
+# WanTransformer3DModel of TI2V-5B's layout at the size of the world's Wan (``wan.WAN_T2V``: four blocks of four 32-wide
+# heads, 1.2M parameters): 48 latent channels in and out, patch (1, 2, 2) (the pipelines' ``[:, ::2, ::2]`` token
+# timesteps assume it). A 5 x 32 x 32 clip of the world is 2 x 4 x 4 latents, 2 x 2 x 2 = 8 tokens. The shipped
+# asset (``scripts/train_ti2v.py``) is exactly this, pretrained on the world for both tasks.
+WAN22_TI2V = dict(WAN_T2V, in_channels=48, out_channels=48)
 ARCHITECTURES = {
-    # The Wan 2.2 VAE's layout (residual blocks, 2x2 pixel patches into 12 channels, four levels: 8x, times the
-    # patch 16x spatial; 4x temporal; 48 latent channels normalized by the published mean/std) at width 16: 0.2M
-    # parameters, random weights.
+    # The Wan 2.2 VAE's layout (residual blocks, 2x2 pixel patches into 12 channels, 48 latent channels, 4x temporal,
+    # a decoder wider than the encoder: the published 256 and 160) at the world's scale: widths 32 and 16 and three
+    # levels (the published four), so 8x spatial where the published VAE is 16x, as the world's Wan 2.1 VAE is 4x where
+    # the published is 8x (a 32 px frame is 4 x 4 latents, 2 x 2 tokens). 0.5M parameters. The shipped asset
+    # (``scripts/train_vae.py --arch wan22_vae``) is exactly this, its latent statistics measured on the world (the
+    # preset's are the published VAE's, for random builds).
     "wan22_vae": Architecture(AutoencoderKLWan, dict(
-        base_dim=16, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=0, temperal_downsample=[False, True, True],
-        is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+        base_dim=16, decoder_base_dim=32, z_dim=48, dim_mult=[1, 1, 1], num_res_blocks=0,
+        temperal_downsample=[True, True],
+        is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=8,
         scale_factor_temporal=4, latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD,
-    ), "vae", codec=WanVAE()),
+    ), "vae", codec=WanVAE(), asset=True),
     # one transformer, two tasks: the same class, preset and state dict (a checkpoint of either loads as the other)
     "wan22_ti2v": Architecture(WanTransformer3DModel, WAN22_TI2V, "generator", adapter=WanTI2V(takes_image=False),
-                               layer_keys=("num_layers",), **_WAN_BLOCKS),
+                               asset=True, layer_keys=("num_layers",), **_WAN_BLOCKS),
     "wan22_ti2v_i2v": Architecture(WanTransformer3DModel, dict(WAN22_TI2V), "generator",
-                                   adapter=WanTI2V(takes_image=True), layer_keys=("num_layers",), **_WAN_BLOCKS),
+                                   adapter=WanTI2V(takes_image=True), asset="wan22_ti2v", layer_keys=("num_layers",),
+                                   **_WAN_BLOCKS),
 }
