@@ -27,7 +27,6 @@ import argparse
 import copy
 import json
 import os
-import time
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -41,7 +40,8 @@ from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sig
 from posttrain.modules.io.media import write_media
 from posttrain.modules.models.presets import PRESETS, build_tokenizer
 from posttrain.modules.flow.samplers import FlowMatchSampler
-from train_flux_vae import image_geneval  # beside this script, which runs as a file: GenEval of what a frame shows
+from pretraining import loop_arguments, pretrain  # beside this script, which runs as a file
+from train_flux_vae import image_geneval  # GenEval of what a frame shows
 
 FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                       max_image_seq_len=4096)
@@ -59,11 +59,6 @@ def encoded_images(vae: AutoencoderKL, num: int, size: int, seed: int) -> tuple[
     return torch.cat(latents), prompts
 
 
-@torch.no_grad()
-def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    for e, p in zip(ema.parameters(), model.parameters()):
-        e.lerp_(p, 1 - decay)
-
 
 def serving_card(vae_path: str, text_max_length: int) -> ModelCard:
     """A card of the stage as a method builds it (the transformer and encoders get the EMA weights)."""
@@ -80,14 +75,9 @@ def main() -> None:
     parser.add_argument("--vae", default="modules/assets/vae_kl")
     parser.add_argument("--images", type=int, default=4096, help="pretraining images (encoded once)")
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20000)
-    parser.add_argument("--minutes", type=float, default=40.0, help="stop after this much wall time")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ema", type=float, default=0.995)
+    loop_arguments(parser, steps=20000, minutes=40.0, ema=0.995, eval_every=500)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--text-max-length", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale of the evaluation samples")
     parser.add_argument("--threads", type=int, default=1)
@@ -115,9 +105,6 @@ def main() -> None:
         print(f"continuing from {args.init}", flush=True)
     print(" ".join(f"{k} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M" for k, m in models.items()), flush=True)
     emas = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in models.items()}
-    params = [p for m in models.values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
     flux = Flux()
 
     card = serving_card(args.vae, args.text_max_length)
@@ -127,7 +114,7 @@ def main() -> None:
     seen = ShapesDataset(args.eval_prompts, 1, 8, 8, seed=2, exclude=PRETRAIN_EXCLUDE)
     eval_prompts = [seen[i]["prompt"] for i in range(len(seen))]
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int, minutes: float) -> dict:
         for name, ema in emas.items():  # serve the EMA weights; a new version = a fresh text cache
             card.models[name].load_state_dict(ema.state_dict())
             card.versions[name] += 1
@@ -137,15 +124,11 @@ def main() -> None:
         images = stage.decode(stage.sample(sampler, noise, cond, uncond).latents)  # (B, 3, 1, H, W)
         grid = torch.cat([torch.cat(list(images[r * 8:(r + 1) * 8, :, 0]), dim=-1) for r in range(2)], dim=-2)
         write_media(os.path.join(args.log_dir, f"samples_{step:06d}.png"), grid[:, None])
-        scores = {"step": step, "minutes": round((time.time() - start) / 60, 1),
-                  **image_geneval(images[:, :, 0], eval_prompts)}
+        scores = {"step": step, "minutes": minutes, **image_geneval(images[:, :, 0], eval_prompts)}
         print("geneval", json.dumps(scores), flush=True)
         return scores
 
-    g = torch.Generator().manual_seed(0)
-    start, step, history = time.time(), 0, []
-    while step < args.steps and time.time() - start < args.minutes * 60:
-        step += 1
+    def loss_of(g: torch.Generator) -> torch.Tensor:
         idx = torch.randint(len(prompts), (args.batch_size,), generator=g)
         x0 = latents[idx]
         # 1. captions, a share dropped to the empty prompt (the unconditional branch of CFG)
@@ -157,24 +140,13 @@ def main() -> None:
         sigma = sample_sigmas(args.batch_size, "logit_normal", g)
         noise = torch.randn(x0.shape, generator=g)
         v = flux.velocity(transformer, noised(x0, noise, sigma), sampler.timestep_of(sigma), cond)
-        loss = flow_matching_loss(v, x0, noise)[0].mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        for name, model in models.items():
-            ema_update(emas[name], model, args.ema)
-        if step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
-        if step % args.eval_every == 0:
-            history.append(evaluate(step))
-    if not history or history[-1]["step"] != step:
-        history.append(evaluate(step))
+        return flow_matching_loss(v, x0, noise)[0].mean()
+
+    step, minutes, history = pretrain(loss_of, models, emas, args, evaluate)
 
     for name, arch in (("transformer", "flux"), ("text_encoder", "clip"), ("text_encoder_2", "t5")):
         emas[name].save_pretrained(os.path.join(args.out, arch), safe_serialization=True)
-    print(f"saved {args.out}/flux, clip, t5 after {step} steps, {(time.time() - start) / 60:.1f} min; "
+    print(f"saved {args.out}/flux, clip, t5 after {step} steps, {minutes} min; "
           f"last check {json.dumps(history[-1])}")
 
 

@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import os
-import time
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -36,6 +35,7 @@ from posttrain.modules.flow.losses import flow_matching_loss, noised, sample_sig
 from posttrain.modules.io.media import write_media
 from posttrain.modules.models.presets import PRESETS, TRAINED_ASSETS
 from posttrain.modules.flow.samplers import FlowMatchSampler
+from pretraining import loop_arguments, pretrain  # beside this script, which runs as a file
 
 
 def init_from_t2v(transformer: WanTransformer3DModel, t2v_path: str) -> None:
@@ -60,14 +60,9 @@ def main() -> None:
     parser.add_argument("--videos", type=int, default=4096)
     parser.add_argument("--frames", type=int, default=5)
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20000)
-    parser.add_argument("--minutes", type=float, default=40.0)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ema", type=float, default=0.995)
+    loop_arguments(parser, steps=20000, minutes=40.0, ema=0.995, eval_every=500)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--text-max-length", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-videos", type=int, default=32)
     parser.add_argument("--guidance", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
@@ -107,15 +102,13 @@ def main() -> None:
         print(f"initialized from {args.t2v}", flush=True)
     print(f"Wan I2V {sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M parameters", flush=True)
     ema = copy.deepcopy(transformer).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
     sampler = FlowMatchSampler(num_steps=20, guidance_scale=args.guidance)
 
     held = ShapesDataset(args.eval_videos, args.frames, args.size, args.size, seed=2, exclude=PRETRAIN_EXCLUDE)
     held_videos = torch.stack([held[i]["video"] for i in range(len(held))])
     held_prompts = [held[i]["prompt"] for i in range(len(held))]
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int, minutes: float) -> dict:
         card.models["transformer"].load_state_dict(ema.state_dict())
         images = held_videos[:, :, 0]
         noise = torch.randn((len(held_prompts), *stage.latent_shape(size)), generator=torch.Generator().manual_seed(0))
@@ -126,15 +119,12 @@ def main() -> None:
         psnr = peak_signal_noise_ratio((videos[:, :, 0] + 1) / 2, (images + 1) / 2, data_range=1.0)
         rows = [torch.cat([images[b], *videos[b].unbind(1)], dim=-1) for b in range(8)]
         write_media(os.path.join(args.log_dir, f"samples_{step:06d}.png"), torch.cat(rows, dim=-2)[:, None])
-        scores = {"step": step, "minutes": round((time.time() - start) / 60, 1), "first_frame_psnr": round(float(psnr), 2),
+        scores = {"step": step, "minutes": minutes, "first_frame_psnr": round(float(psnr), 2),
                   **{k: round(float(v), 3) for k, v in metric.compute().items()}}
         print("geneval", json.dumps(scores), flush=True)
         return scores
 
-    g = torch.Generator().manual_seed(0)
-    start, step, history = time.time(), 0, []
-    while step < args.steps and time.time() - start < args.minutes * 60:
-        step += 1
+    def loss_of(g: torch.Generator) -> torch.Tensor:
         idx = torch.randint(len(prompts), (args.batch_size,), generator=g)
         x0 = latents[idx]
         # 2. captions through the frozen UMT5 (cached), a share dropped for CFG; the image condition always stays
@@ -145,24 +135,11 @@ def main() -> None:
         sigma = sample_sigmas(args.batch_size, "logit_normal", g)
         noise = torch.randn(x0.shape, generator=g)
         v = stage.adapter.velocity(transformer, noised(x0, noise, sigma), sampler.timestep_of(sigma), cond)
-        loss = flow_matching_loss(v, x0, noise)[0].mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            for e, p in zip(ema.parameters(), transformer.parameters()):
-                e.lerp_(p, 1 - args.ema)
-        if step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
-        if step % args.eval_every == 0:
-            history.append(evaluate(step))
-    if not history or history[-1]["step"] != step:
-        history.append(evaluate(step))
+        return flow_matching_loss(v, x0, noise)[0].mean()
 
+    step, minutes, history = pretrain(loss_of, {"transformer": transformer}, {"transformer": ema}, args, evaluate)
     ema.save_pretrained(args.out, safe_serialization=True)
-    print(f"saved {args.out} after {step} steps, {(time.time() - start) / 60:.1f} min; last check "
+    print(f"saved {args.out} after {step} steps, {minutes} min; last check "
           f"{json.dumps(history[-1])}")
 
 

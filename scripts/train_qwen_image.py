@@ -33,7 +33,6 @@ import argparse
 import copy
 import json
 import os
-import time
 
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
@@ -48,7 +47,8 @@ from posttrain.modules.models.generators import GeneratorStage, VideoSize
 from posttrain.modules.models.generators.qwen_image import (TOKENIZER_ASSET, QwenImage, prompt_mask,
                                                             qwen_prompt_embeds)
 from posttrain.modules.models.presets import PRESETS, TRAINED_ASSETS, build_model, build_tokenizer
-from train_flux import ema_update, encoded_images  # beside this script, which runs as a file
+from pretraining import loop_arguments, pretrain  # beside this script, which runs as a file
+from train_flux import encoded_images
 from train_flux_vae import image_geneval
 
 # Qwen-Image's scheduler_config.json (as configs/finetune_qwen_image.yaml gives it)
@@ -116,14 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=4096, help="pretraining images (encoded once)")
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=100000)
-    parser.add_argument("--minutes", type=float, default=65.0, help="stop after this much wall time")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ema", type=float, default=0.995)
+    loop_arguments(parser, steps=100000, minutes=65.0, ema=0.995, eval_every=500)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--text-max-length", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--guidance", type=float, default=1.0, help="true CFG scale of the periodic samples")
     parser.add_argument("--final-guidance", type=float, default=4.0, help="true CFG scale of the final read-back")
@@ -151,25 +146,19 @@ def main() -> None:
     transformer, text_encoder = models["transformer"], models["text_encoder"]
     print(" ".join(f"{k} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M" for k, m in models.items()), flush=True)
     emas = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in models.items()}
-    params = [p for m in models.values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
     adapter, timesteps = QwenImage(), FlowMatchSampler()  # the family's call; σ -> the timestep it reads
 
     card = serving_card(args.text_max_length)
     eval_prompts = seen_prompts(args.eval_prompts, seed=2)
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int, minutes: float) -> dict:
         png = os.path.join(args.log_dir, f"samples_{step:06d}.png")
-        scores = {"step": step, "minutes": round((time.time() - start) / 60, 1),
+        scores = {"step": step, "minutes": minutes,
                   **read_back(card, emas, eval_prompts, args.size, args.guidance, seed=0, png=png)}
         print("geneval", json.dumps(scores), flush=True)
         return scores
 
-    g = torch.Generator().manual_seed(0)
-    start, step, history = time.time(), 0, []
-    while step < args.steps and time.time() - start < args.minutes * 60:
-        step += 1
+    def loss_of(g: torch.Generator) -> torch.Tensor:
         idx = torch.randint(len(prompts), (args.batch_size,), generator=g)
         x0 = latents[idx]
         # 1. captions, a share dropped to the empty prompt (the negative prompt of true CFG)
@@ -182,24 +171,13 @@ def main() -> None:
         sigma = sample_sigmas(args.batch_size, "logit_normal", g)
         noise = torch.randn(x0.shape, generator=g)
         v = adapter.velocity(transformer, noised(x0, noise, sigma), timesteps.timestep_of(sigma), cond)
-        loss = flow_matching_loss(v, x0, noise)[0].mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        for name, model in models.items():
-            ema_update(emas[name], model, args.ema)
-        if step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
-        if step % args.eval_every == 0:
-            history.append(evaluate(step))
-    if not history or history[-1]["step"] != step:
-        history.append(evaluate(step))
+        return flow_matching_loss(v, x0, noise)[0].mean()
+
+    step, minutes, history = pretrain(loss_of, models, emas, args, evaluate)
 
     for name, arch in SAVED:
         save(emas[name], os.path.join(args.out, arch))
-    print(f"saved {args.out}/qwen_image, qwen2_5_vl after {step} steps, {(time.time() - start) / 60:.1f} min; "
+    print(f"saved {args.out}/qwen_image, qwen2_5_vl after {step} steps, {minutes} min; "
           f"last check {json.dumps(history[-1])}", flush=True)
 
     # 3. the saved EMA on prompts and noise of seeds never used: no CFG (how RL rolls out) and true CFG

@@ -45,7 +45,6 @@ import argparse
 import copy
 import json
 import os
-import time
 
 import torch
 from transformers import ByT5Tokenizer
@@ -57,7 +56,8 @@ from posttrain.modules.flow.losses import noised, sample_sigmas
 from posttrain.modules.flow.samplers import FlowMatchSampler
 from posttrain.modules.models.generators import ADAPTERS, wan_text_states, wan_tokens
 from posttrain.modules.models.presets import PRESETS, TRAINED_ASSETS, build_model
-from train_world import ema_update, encoded_dataset  # beside this script, which runs as a file
+from pretraining import loop_arguments, pretrain  # beside this script, which runs as a file
+from train_world import encoded_dataset
 
 ARCH = "wan22_ti2v"
 
@@ -86,15 +86,10 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=5)
     parser.add_argument("--speed", type=float, default=None)
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=100000)
-    parser.add_argument("--minutes", type=float, default=50.0, help="stop after this much wall time")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ema", type=float, default=0.998)
+    loop_arguments(parser, steps=100000, minutes=50.0, ema=0.998, eval_every=2000)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--image-share", type=float, default=0.5, help="share of the rows trained as image-to-video")
     parser.add_argument("--text-max-length", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=2000)
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale of the evaluation samples")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (on a shared machine more spin)")
@@ -132,9 +127,6 @@ def main() -> None:
                   f"{sorted(set(own) - set(same))}", flush=True)
     print(f"Wan 2.2 TI2V {sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M parameters", flush=True)
     ema = copy.deepcopy(transformer).eval()
-    params = list(transformer.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
     adapter = ADAPTERS[ARCH]
 
     # the frozen encoder reads every caption once; the empty prompt (caption dropout) is the last row
@@ -143,51 +135,35 @@ def main() -> None:
         states = torch.cat([wan_text_states(encoder, ids[i:i + 256], mask[i:i + 256])
                             for i in range(0, len(ids), 256)])
 
-    def evaluate(step: int) -> dict:
-        scores = {"step": step, "minutes": round((time.time() - start) / 60, 1),
-                  **geneval(ema, encoder, tokenizer, vae, args)}
+    def evaluate(step: int, minutes: float) -> dict:
+        scores = {"step": step, "minutes": minutes, **geneval(ema, encoder, tokenizer, vae, args)}
         print("geneval", json.dumps(scores), flush=True)
         ema.save_pretrained(os.path.join(args.out, ARCH), safe_serialization=True)
         return scores
 
-    g = torch.Generator().manual_seed(0)
-    start, step, history = time.time(), 0, []
-    while step < args.steps and time.time() - start < args.minutes * 60:
-        step += 1
+    n_image = round(args.image_share * args.batch_size)  # the first rows of every batch are image-to-video
+
+    def loss_of(g: torch.Generator) -> torch.Tensor:
         idx = torch.randint(len(prompts), (args.batch_size,), generator=g)
         x0 = latents[idx]
         drop = torch.rand(args.batch_size, generator=g) < args.caption_dropout
         text = states[torch.where(drop, len(prompts), idx)]
         sigma = sample_sigmas(args.batch_size, "logit_normal", g)
         noise = torch.randn(x0.shape, generator=g)
-        x = noised(x0, noise, sigma)
-        target = noise - x0
-        # the first rows image-to-video: their first latent frame is their own clean latents, the loss on the rest
-        n_image = int(round(args.image_share * args.batch_size))
-        losses = []
-        for rows, first in ((slice(0, n_image), True), (slice(n_image, None), False)):
-            if rows.stop == 0 or rows.start == args.batch_size:
-                continue
-            cond = Conditioning(encoder_hidden_states=text[rows])
-            if first:
-                cond["first_frame_latents"] = x0[rows, :, :1]
-            v = adapter.velocity(transformer, x[rows], sigma[rows] * 1000, cond)
-            frames = slice(1, None) if first else slice(None)
-            losses.append(((v.float() - target[rows]) ** 2)[:, :, frames].flatten(1).mean(1))
-        loss = torch.cat(losses).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema_update(ema, transformer, args.ema)
-        if step % 100 == 0:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
-        if step % args.eval_every == 0:
-            history.append(evaluate(step))
-    if not history or history[-1]["step"] != step:
-        history.append(evaluate(step))
-    print(f"saved {args.out}/{ARCH} after {step} steps, {(time.time() - start) / 60:.1f} min")
+        x, target = noised(x0, noise, sigma), noise - x0
+        errors = []  # per row: the squared error of the frames the model generates
+        if n_image:  # image-to-video: the first latent frame is the clip's own, clean; the loss on the rest
+            cond = Conditioning(encoder_hidden_states=text[:n_image], first_frame_latents=x0[:n_image, :, :1])
+            v = adapter.velocity(transformer, x[:n_image], sigma[:n_image] * 1000, cond)
+            errors.append(((v.float() - target[:n_image]) ** 2)[:, :, 1:].flatten(1).mean(1))
+        if n_image < args.batch_size:  # text-to-video
+            cond = Conditioning(encoder_hidden_states=text[n_image:])
+            v = adapter.velocity(transformer, x[n_image:], sigma[n_image:] * 1000, cond)
+            errors.append(((v.float() - target[n_image:]) ** 2).flatten(1).mean(1))
+        return torch.cat(errors).mean()
+
+    step, minutes, _ = pretrain(loss_of, {ARCH: transformer}, {ARCH: ema}, args, evaluate)
+    print(f"saved {args.out}/{ARCH} after {step} steps, {minutes} min")
 
 
 if __name__ == "__main__":

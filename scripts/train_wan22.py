@@ -35,7 +35,8 @@ from posttrain.modules.flow.samplers import FlowMatchSampler
 from posttrain.modules.models.generators import ADAPTERS, wan_text_states, wan_tokens
 from posttrain.modules.models.presets import TRAINED_ASSETS, build_model
 
-from train_world import encoded_dataset, ema_update  # noqa: E402  (scripts/ is the script's own folder)
+from pretraining import ema_update  # noqa: E402  (scripts/ is the script's own folder)
+from train_world import encoded_dataset  # noqa: E402
 
 HELD_OUT = 256  # the last latents of the dataset: never trained on, the flow-matching loss is measured on them
 

@@ -48,7 +48,6 @@ import argparse
 import copy
 import json
 import os
-import time
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -64,6 +63,7 @@ from posttrain.modules.models.presets import PRESETS, TRAINED_ASSETS, build_mode
 from posttrain.modules.models.generators import ADAPTERS, wan_text_states, wan_tokens
 from posttrain.modules.flow.samplers import FlowMatchSampler
 from posttrain.modules.world.world import PACE, SPEED
+from pretraining import loop_arguments, pretrain  # beside this script, which runs as a file
 
 
 def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str,
@@ -93,12 +93,6 @@ def encoded_dataset(vae, num_videos: int, frames: int, size: int, cache: str,
     return latents, prompts
 
 
-@torch.no_grad()
-def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    for e, p in zip(ema.parameters(), model.parameters()):
-        e.lerp_(p, 1 - decay)
-
-
 def geneval(transformer, encoder, tokenizer, vae, args) -> dict[str, dict[str, float]]:
     """Synthetic GenEval of ODE samples (the configs' sampler) of ``--eval-prompts`` seen-concept and as
     many held-out-concept prompts (fixed seeds: every check and ``--evaluate`` scores the same prompts)."""
@@ -123,14 +117,9 @@ def main() -> None:
                         f"frame ({PACE}: the shipped 5-frame world's pace, continued over a longer clip); unset: "
                         f"{SPEED} over the whole clip")
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20000)
-    parser.add_argument("--minutes", type=float, default=90.0, help="stop after this much wall time")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ema", type=float, default=0.998)
+    loop_arguments(parser, steps=20000, minutes=90.0, ema=0.998, eval_every=1000)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--text-max-length", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale of the evaluation samples")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (on a shared machine more spin)")
@@ -165,13 +154,9 @@ def main() -> None:
     print(f"UMT5 {sum(p.numel() for p in encoder.parameters()) / 1e6:.3f}M, Wan "
           f"{sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M parameters", flush=True)
     encoder_ema, transformer_ema = copy.deepcopy(encoder).eval(), copy.deepcopy(transformer).eval()
-    params = list(encoder.parameters()) + list(transformer.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 200))
 
-    def evaluate(step: int) -> dict:
-        scores = {"step": step, "minutes": round((time.time() - start) / 60, 1),
-                  **geneval(transformer_ema, encoder_ema, tokenizer, vae, args)}
+    def evaluate(step: int, minutes: float) -> dict:
+        scores = {"step": step, "minutes": minutes, **geneval(transformer_ema, encoder_ema, tokenizer, vae, args)}
         print("geneval", json.dumps(scores), flush=True)
         # save at every evaluation, so a run stopped early still leaves its latest assets
         encoder_ema.save_pretrained(os.path.join(args.out, "umt5"), safe_serialization=True)
@@ -180,10 +165,8 @@ def main() -> None:
 
     # every caption is tokenized once; the empty prompt (caption dropout) is the last row
     ids, mask = wan_tokens(tokenizer, prompts + [""], args.text_max_length)
-    g = torch.Generator().manual_seed(0)
-    start, step, history = time.time(), 0, []
-    while step < args.steps and time.time() - start < args.minutes * 60:
-        step += 1
+
+    def loss_of(g: torch.Generator) -> torch.Tensor:
         idx = torch.randint(len(prompts), (args.batch_size,), generator=g)
         x0 = latents[idx]
         # 1. captions, a share dropped to the empty prompt (the unconditional branch of CFG)
@@ -194,21 +177,11 @@ def main() -> None:
         sigma = sample_sigmas(args.batch_size, "logit_normal", g)
         noise = torch.randn(x0.shape, generator=g)
         v = ADAPTERS["wan_t2v"].velocity(transformer, noised(x0, noise, sigma), sigma * 1000, cond)
-        loss = flow_matching_loss(v, x0, noise)[0].mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema_update(encoder_ema, encoder, args.ema)
-        ema_update(transformer_ema, transformer, args.ema)
-        if step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
-        if step % args.eval_every == 0:
-            history.append(evaluate(step))
-    if not history or history[-1]["step"] != step:
-        history.append(evaluate(step))
-    print(f"saved {args.out}/umt5 and {args.out}/wan_t2v after {step} steps, {(time.time() - start) / 60:.1f} min")
+        return flow_matching_loss(v, x0, noise)[0].mean()
+
+    step, minutes, _ = pretrain(loss_of, {"text_encoder": encoder, "transformer": transformer},
+                                {"text_encoder": encoder_ema, "transformer": transformer_ema}, args, evaluate)
+    print(f"saved {args.out}/umt5 and {args.out}/wan_t2v after {step} steps, {minutes} min")
 
 
 if __name__ == "__main__":
