@@ -207,9 +207,9 @@ def build_model(arch: str, pretrained: str | None = None, subfolder: str | None 
 
 
 def _foreign_asset(cls: type, folder: str) -> torch.nn.Module:
-    """A diffusers ``cls`` from the asset ``folder`` of another class whose weights it loads key for key: its config
-    is what ``cls`` reads of the folder's (the other class's own keys left out, so a saved or exported copy carries
-    none of them), and every stored tensor fills one of its weights."""
+    """A diffusers ``cls`` from the asset ``folder`` of another architecture (of this class or another) whose weights it
+    loads key for key: its config is what ``cls`` reads of the folder's (another class's own keys left out, so a saved
+    or exported copy carries none of them), and every stored tensor fills one of its weights."""
     from safetensors.torch import load_file
 
     init, _, _ = cls.extract_init_dict(cls.load_config(folder))
@@ -232,7 +232,8 @@ def _from_pretrained(arch: str, pretrained: str | None, subfolder: str | None,
     """``from_pretrained`` of ``pretrained`` (+ ``subfolder``), or of the shipped asset when ``pretrained`` is None."""
     cls = model_class(arch)
     if pretrained is None:
-        if isinstance(architecture(arch).asset, str):  # another class's folder (the world's Wan VAE as Qwen-Image's)
+        # another architecture's folder: the world's Wan VAE as Qwen-Image's, TI2V's transformer as its i2v arch's
+        if isinstance(architecture(arch).asset, str):
             return cast(_foreign_asset(cls, TRAINED_ASSETS[arch]), dtype)
         with _no_progress_bar():  # a shipped tiny asset loads in milliseconds; transformers would draw a bar
             return cast(cls.from_pretrained(TRAINED_ASSETS[arch], local_files_only=True), dtype)
