@@ -3,7 +3,9 @@
 Which prompts, decided once at the start of fit and said in one line: ``prompts``; else the lines of
 ``prompts_file``; else the first ``num_prompts`` prompts the data offers (its ``sample_prompts``: the captions of its
 validation split — a folder's held-out captions, the synthetic world's validation captions, the first prompts of a
-prompt list); the world's two shape prompts only when the data offers none.
+prompt list); the world's two shape prompts only when the data offers none. An image-to-video generator (a method's
+``reads_first_frames``) samples the first ``num_prompts`` rows of the data's validation split instead, each from its
+caption and its first frame (the method's ``first_frames``: the clip's image, or its cached latents').
 
 Each data-parallel rank generates its share of the prompts (a contiguous slice; the ranks of a sequence-parallel
 group share one), every rank the same number of them, padded with a repeat: a ZeRO-3 expert gathers its weights
@@ -98,6 +100,7 @@ class SampleVideos(Callback):
             self.given = [p.strip() for p in prompts if p.strip()]
         self.num_prompts = num_prompts
         self.prompts: list[str] = list(self.given or DEFAULT_PROMPTS)  # resolved against the data at fit start
+        self.first: dict[str, torch.Tensor] = {}  # image-to-video: each prompt's first frame (``first_frames``)
         self.seed, self.fps, self.write_files = seed, fps, write_files
         self.num_steps, self.frames = num_steps, frames
         self._last_sampled: Optional[int] = None  # the iteration sampled last in this process
@@ -120,8 +123,34 @@ class SampleVideos(Callback):
         preprocess`` encodes them, ``callbacks.precomputed`` caches them)."""
         return self.resolve_prompts(datamodule)[0]
 
+    def validation_rows(self, datamodule: Any, pl_module) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The captions and first frames (``pl_module.first_frames``) of the first ``num_prompts`` rows of the data's
+        validation split: what an image-to-video generator samples from."""
+        where = f"the generator ({pl_module.stage.transformer!r}) generates from a first frame"
+        if self.given is not None:
+            raise ValueError(f"SampleVideos: {where}, and {'prompts_file' if self.prompts_file else 'prompts'} give "
+                             f"none: drop it to sample the data's validation clips (their captions and first frames)")
+        loaders = datamodule.val_dataloader() if hasattr(datamodule, "val_dataloader") else None
+        prompts, parts = [], []
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders] if loaders is not None else []:
+            for batch in loader:
+                if not isinstance(batch, dict) or len(prompts) >= self.num_prompts:
+                    break
+                take = min(len(batch["prompt"]), self.num_prompts - len(prompts))
+                prompts += [str(p) for p in batch["prompt"][:take]]
+                parts.append({key: value[:take].cpu() for key, value in pl_module.first_frames(batch).items()})
+        if not prompts:
+            raise ValueError(f"SampleVideos: {where}, and the data ({type(datamodule).__name__}) has no validation "
+                             f"clips to take them from: give it a validation split (VideoFolder: val_fraction or "
+                             f"val_files), or drop SampleVideos")
+        return prompts, {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.prompts, source = self.resolve_prompts(trainer.datamodule)
+        if getattr(pl_module, "reads_first_frames", False):
+            self.prompts, self.first = self.validation_rows(trainer.datamodule, pl_module)
+            source = f"with their first frames, of the data's validation split ({type(trainer.datamodule).__name__})"
+        else:
+            self.prompts, source = self.resolve_prompts(trainer.datamodule)
         self._check_settings(pl_module)
         shown = ", ".join(repr(p if len(p) <= 60 else p[:57] + "...") for p in self.prompts)
         lighter = "".join(f", {name}={value}" for name, value in (("num_steps", self.num_steps),
@@ -183,7 +212,8 @@ class SampleVideos(Callback):
         was_training = pl_module.training
         pl_module.eval()
         with self.sampling(pl_module):
-            videos = pl_module.generate(share, seed=self.seed + indices[0])
+            first = {key: value[indices].to(pl_module.device) for key, value in self.first.items()}
+            videos = pl_module.generate(share, seed=self.seed + indices[0], **first)
         pl_module.train(was_training)
         captions = list(share)
         extra = getattr(pl_module, "sample_captions", None)  # e.g. joint_rl's refined prompts

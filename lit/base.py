@@ -435,10 +435,16 @@ class ExpertModule(ExactResume, DeferredLogging):
         return self.stage.conditioning(prompts, sampler.guidance_scale, self.device, images=images, size=self.video,
                                        latents=latents)
 
+    @property
+    def reads_first_frames(self) -> bool:
+        """Whether each row of a batch brings the generator its first frame, which ``first_frames`` reads and
+        ``generate`` takes: an image-to-video generator served on its own (a workflow's image stage makes them)."""
+        return self.stage.takes_image
+
     def batch_images(self, batch: dict) -> Optional[torch.Tensor]:
         """The conditioning images of a batch for an image-to-video generator: its ``image`` (B, 3, H, W),
         else the first frames of its ``video``; None for a generator that reads no image."""
-        if not self.stage.takes_image:
+        if not self.reads_first_frames:
             return None
         if "image" in batch:
             return batch["image"].float()
@@ -455,7 +461,7 @@ class ExpertModule(ExactResume, DeferredLogging):
         first latent frame reads off them with its adapter's ``image_from_latents`` (Wan 2.2 TI2V: its VAE is causal
         in time, so the frame is the first pixel frame's latents alone; any other generator refuses them, naming
         why). ``{}`` for a generator that reads no image."""
-        if not self.stage.takes_image:
+        if not self.reads_first_frames:
             return {}
         if "latents" in batch and "image" not in batch and "video" not in batch:
             return {"latents": batch["latents"].float()}

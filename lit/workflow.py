@@ -41,6 +41,10 @@ class Workflow(ExpertModule):
     def check_sizes(self) -> None:
         self.plan.check_sizes()
 
+    @property
+    def reads_first_frames(self) -> bool:
+        return False  # its image stage makes the image-to-video stage's first frames
+
     # ------------------------------------------------------------------ serving
     def stage_seeds(self, seed: int) -> dict[str, int]:
         """The noise seed of each stage for one call (distinct per stage, a pure function of ``seed``)."""

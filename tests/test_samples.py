@@ -7,6 +7,7 @@ import logging
 import os
 
 import pytest
+import torch
 from lightning.pytorch import LightningDataModule
 
 from posttrain.callbacks.samples import DEFAULT_PROMPTS, SampleVideos, prompt_shares
@@ -147,6 +148,37 @@ def test_one_process_draws_the_samples_it_always_drew(tmp_path):
     for i, prompt in enumerate(DEFAULT_PROMPTS):
         written = (tmp_path / "samples" / f"it000001_{i}_{slug(prompt)}.gif").read_bytes()
         assert written == gif_bytes(expected[i]).getvalue()
+
+
+def test_an_image_to_video_generator_samples_the_validation_clips_from_their_first_frames(tmp_path, caplog):
+    """Wan I2V: the samples are the first 3 validation clips, each from its caption and its own first frame, byte for
+    byte the module's ``generate`` of them; prompts given without frames are refused at the start, naming why."""
+    from tests.conftest import i2v_card
+
+    module = Finetune(i2v_card(), sampler=FlowMatchSampler(num_steps=2), run=RunArgs(frames=5, height=16, width=16))
+    data = SyntheticVideos(num_samples=4, batch_size=2, frames=5, height=16, width=16)
+    samples = SampleVideos(every_n_iterations=1, num_prompts=3, seed=3)
+    with caplog.at_level(logging.INFO):
+        quick_trainer(max_steps=1, callbacks=[samples], default_root_dir=str(tmp_path)).fit(module, data)
+    rows = [row for batch in data.val_dataloader() for row in zip(batch["prompt"], batch["video"][:, :, 0])][:3]
+    wanted, images = [p for p, _ in rows], torch.stack([image for _, image in rows])
+    assert any(r.getMessage().startswith("SampleVideos: every 1 iterations, 3 prompts with their first frames")
+               for r in caplog.records)
+    module.eval()
+    expected = module.generate(wanted, seed=3, images=images)
+    for i, prompt in enumerate(wanted):
+        written = (tmp_path / "samples" / f"it000001_{i}_{slug(prompt)}.gif").read_bytes()
+        assert written == gif_bytes(expected[i]).getvalue()
+    given = SampleVideos(prompts=list(DEFAULT_PROMPTS))
+    with pytest.raises(ValueError, match=r"SampleVideos: the generator \('transformer'\) generates from a first "
+                                         r"frame, and prompts give none: drop it to sample the data's validation clips"):
+        quick_trainer(max_steps=1, callbacks=[given], default_root_dir=str(tmp_path / "given")).fit(module, data)
+    (tmp_path / "clips").mkdir()
+    caption(clip(tmp_path / "clips" / "a.mp4", frames=5, height=16, width=16, colour="red"), "a red circle")
+    no_split = VideoFolder(str(tmp_path / "clips"), frames=5, height=16, width=16)
+    with pytest.raises(ValueError, match=r"the data \(VideoFolder\) has no validation clips to take them from: give "
+                                         r"it a validation split \(VideoFolder: val_fraction or val_files\)"):
+        SampleVideos().validation_rows(no_split, module)
 
 
 @pytest.mark.slow
