@@ -3,7 +3,7 @@ and Self-Forcing tests check.
 
 - ``bench_cli``: a config's CLI, unrun, with no logger, checkpoints, callbacks or validation, its models built.
 - ``samples``: (latents, videos) of one expert and sampler, batch ``i`` from seed ``first_seed + i``: the same
-  prompts and noise for the teacher and the student.
+  prompts and noise (and, image-to-video, first frames: ``first_frames``) for the teacher and the student.
 - ``closeness``: a set of samples against the teacher's: the Fréchet VAE distance of the frames
   (``modules/eval/frechet.py``), the latent MSE from the same noise, synthetic GenEval.
 - ``all_four`` and ``held_out_prompts``: per-prompt verdicts, on captions the training prompts never name.
@@ -24,7 +24,7 @@ from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.modules.eval.frechet import VideoFrechetDistance
 from posttrain.modules.world.geneval import SyntheticGenEval, judge
-from posttrain.modules.world.world import FACTS, parse_caption
+from posttrain.modules.world.world import FACTS, parse_caption, render
 
 
 def bench_cli(config: str, root: str, steps, *extra: str) -> PosttrainCLI:
@@ -42,19 +42,36 @@ def bench_cli(config: str, root: str, steps, *extra: str) -> PosttrainCLI:
 
 
 @torch.no_grad()
-def samples(module, prompts: list[str], sampler, name: str, batch: int, first_seed: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def samples(module, prompts: list[str], sampler, name: str, batch: int, first_seed: int = 0,
+            images: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(latents, videos) of expert ``name`` with ``sampler`` (its CFG included), batch ``i`` from seed
-    ``first_seed + i``: the noise ``module.generate`` draws."""
+    ``first_seed + i``: the noise ``module.generate`` draws; an image-to-video module's from ``images``, one first
+    frame per prompt (``first_frames``)."""
     latents = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         g = torch.Generator().manual_seed(first_seed + i // batch)
         noise = torch.randn((len(chunk), *module.stage.latent_shape(module.video)), generator=g)
-        cond, uncond = module.conditioning(chunk, sampler)
+        cond, uncond = module.conditioning(chunk, sampler, None if images is None else images[i:i + batch])
         latents.append(module.stage.sample(sampler, noise, cond, uncond, name=name, rng=g).latents)
     latents = torch.cat(latents)
     return latents, module.stage.decode(latents)
+
+
+def first_frames(module, prompts: list[str], seed: int) -> Optional[torch.Tensor]:
+    """(n, 3, H, W) in [-1, 1], for an image-to-video module: the first frame of a clip of each caption, drawn by the
+    world at the run's size, the shape's start seeded by ``seed`` and the row (as ``ShapesDataset`` draws it); None
+    for a module that reads no image."""
+    if not module.stage.takes_image:
+        return None
+    frames = []
+    for i, prompt in enumerate(prompts):
+        facts = parse_caption(prompt)
+        g = torch.Generator().manual_seed(seed * 7_919 + i)
+        start = tuple(float(v) for v in 0.25 + 0.5 * torch.rand(2, generator=g))
+        frames.append(render(facts.shape, facts.colour, facts.motion, facts.background, 1, module.video.height,
+                             module.video.width, start=start)[:, 0])
+    return torch.stack(frames)
 
 
 def closeness(prompts, teacher: tuple[torch.Tensor, torch.Tensor], other: tuple[torch.Tensor, torch.Tensor]) -> dict:

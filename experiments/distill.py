@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench.fewstep import all_four, bench_cli, closeness, held_out_prompts, join, samples
+from bench.fewstep import all_four, bench_cli, closeness, first_frames, held_out_prompts, join, samples
 from bench.timing import compare, interleave
 from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 from posttrain.modules.models.cards import compile_in_place, to_channels_last
@@ -103,12 +103,14 @@ def measure_chunks(module, prompts: list[str], teacher: tuple[torch.Tensor, torc
     return scores, videos
 
 
-def time_sampling(module, prompts: list[str], blocks: int, note: str = "", name: str = "time student/teacher"):
-    """One batch sampled by the teacher (its steps, CFG) and by the student, in alternating blocks
-    (``bench/timing.py``), VAE decoding included; prints and returns the comparison."""
+def time_sampling(module, prompts: list[str], blocks: int, note: str = "", name: str = "time student/teacher",
+                  images=None):
+    """One batch sampled by the teacher (its steps, CFG) and by the student (from the first frames ``images``,
+    image-to-video), in alternating blocks (``bench/timing.py``), VAE decoding included; prints and returns the
+    comparison."""
     teacher, student = module.teacher_sampler, module.sampler
-    timed = interleave(lambda: samples(module, prompts, teacher, "teacher", len(prompts)),
-                       lambda: samples(module, prompts, student, "transformer", len(prompts)),
+    timed = interleave(lambda: samples(module, prompts, teacher, "teacher", len(prompts), images=images),
+                       lambda: samples(module, prompts, student, "transformer", len(prompts), images=images),
                        blocks=blocks, per_block=1, names=("teacher", "student"))
     print(f"sampling {len(prompts)} videos of {module.video}: teacher {teacher.num_steps} steps with CFG "
           f"{teacher.guidance_scale} vs student {student.num_steps} steps{note}")
@@ -286,6 +288,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cli = bench_cli(args.config, tmp, args.steps, *overrides)
         module = cli.model
+        if module.stage.takes_image:
+            raise SystemExit(f"{args.config} distills an image-to-video generator: measure it with --students (each "
+                             f"held-out caption with the first frame of a clip of it)")
         student_sampler, teacher_sampler = module.sampler, module.teacher_sampler
         data = ShapesDataset(args.prompts, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
         prompts = [data[i]["prompt"] for i in range(len(data))]
@@ -341,20 +346,20 @@ def main() -> None:
 HELD_OUT_SEED = 1000  # the evaluation's noise seeds start here; training draws from the module's own streams
 
 
-def shares(module, prompts: list[str], sampler, blocks: int) -> tuple[float, float]:
-    """(decode, text encoding) time of one served batch as shares of the whole (encode with an emptied cache,
-    sample, decode), each median of ``blocks`` interleaved pairs."""
+def shares(module, prompts: list[str], sampler, blocks: int, images=None) -> tuple[float, float]:
+    """(decode, conditioning) time of one served batch as shares of the whole (encode with an emptied cache,
+    image-to-video the first frames ``images`` too, sample, decode), each median of ``blocks`` interleaved pairs."""
     cond_name = module.stage.encoders[0]
 
     def encode():
         module.card.cache.invalidate(cond_name)
-        return module.conditioning(prompts, sampler)
+        return module.conditioning(prompts, sampler, images)
 
     def whole():
         encode()
-        return samples(module, prompts, sampler, "transformer", len(prompts))
+        return samples(module, prompts, sampler, "transformer", len(prompts), images=images)
 
-    latents = samples(module, prompts, sampler, "transformer", len(prompts))[0]
+    latents = samples(module, prompts, sampler, "transformer", len(prompts), images=images)[0]
     decode = compare(interleave(whole, lambda: module.stage.decode(latents), blocks=blocks, per_block=1,
                                 names=("whole", "decode")), per="batch")
     text = compare(interleave(whole, encode, blocks=blocks, per_block=1, names=("whole", "encode")), per="batch")
@@ -367,7 +372,7 @@ def students(args, overrides: list[str]) -> None:
     then GenEval, motion and Fréchet distance to the teacher's samples before (the teacher's weights at the student's
     steps, which is also the zero-student-lr control: lr 0 leaves the student bitwise, tests/test_dmd2.py) and after
     ``fit``."""
-    rows, sheet, teacher, target, prompts, faster = [], [], None, None, None, {}
+    rows, sheet, teacher, target, prompts, images, faster = [], [], None, None, None, None, {}
     verdicts: dict = {"students": {}}  # per prompt, all four shown (1) or not (0): --json, --join
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.students:
@@ -379,15 +384,18 @@ def students(args, overrides: list[str]) -> None:
                 module = cli.model
                 if teacher is None:  # the same frozen teacher in every fit: its samples once
                     prompts = held_out_prompts(cli, args.prompts, args.held_out_beyond)
-                    teacher = samples(module, prompts, module.teacher_sampler, "teacher", args.batch, HELD_OUT_SEED)
+                    images = first_frames(module, prompts, HELD_OUT_SEED)  # image-to-video: a clip's first frame
+                    teacher = samples(module, prompts, module.teacher_sampler, "teacher", args.batch, HELD_OUT_SEED,
+                                      images)
                     geneval = SyntheticGenEval()
                     geneval.update(teacher[1], prompts)
                     target = {k: float(v) for k, v in geneval.compute().items()}
                     verdicts.update(prompts=prompts, teacher=all_four(teacher[1], prompts))
                 if timing is None:
-                    one = prompts[:args.batch]
-                    ratio = time_sampling(module, one, args.blocks, name=f"time {n}-step student/teacher")
-                    timing = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks))
+                    one, first = prompts[:args.batch], None if images is None else images[:args.batch]
+                    ratio = time_sampling(module, one, args.blocks, name=f"time {n}-step student/teacher",
+                                          images=first)
+                    timing = (ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks, first))
                     if args.channels_last or args.compile_decode:  # the same VAE decodes both sides: time again
                         vae = module.card.models[module.stage.vae]
                         how = " and ".join(what for what, asked in (("channels-last", args.channels_last),
@@ -397,15 +405,16 @@ def students(args, overrides: list[str]) -> None:
                         if args.compile_decode:
                             compile_in_place(vae)
                         started = time.perf_counter()  # compiling happens in the first call
-                        samples(module, one, module.sampler, "transformer", len(one))
+                        samples(module, one, module.sampler, "transformer", len(one), images=first)
                         compile_s = time.perf_counter() - started
                         ratio = time_sampling(module, one, args.blocks, note=f", VAE {how}",
-                                              name=f"time {n}-step student/teacher, VAE {how}")
-                        faster[n] = (how, ratio.ratios["wall"], *shares(module, one, module.sampler, args.blocks),
-                                       compile_s)
+                                              name=f"time {n}-step student/teacher, VAE {how}", images=first)
+                        faster[n] = (how, ratio.ratios["wall"],
+                                     *shares(module, one, module.sampler, args.blocks, first), compile_s)
                     if args.time_only:
                         break
-                    start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED)
+                    start = samples(module, prompts, module.sampler, "transformer", args.batch, HELD_OUT_SEED,
+                                    images)
                     before = closeness(prompts, teacher, start)
                     verdicts["students"][str(n)] = {"before": all_four(start[1], prompts), "after": {}}
                 module.train()
@@ -413,7 +422,8 @@ def students(args, overrides: list[str]) -> None:
                 cli.trainer.fit(module, datamodule=cli.datamodule)
                 fit_s = time.perf_counter() - started
                 module.eval()
-                done = samples(module, prompts, module.sampler, module.serving_transformer, args.batch, HELD_OUT_SEED)
+                done = samples(module, prompts, module.sampler, module.serving_transformer, args.batch, HELD_OUT_SEED,
+                               images)
                 after.append({**closeness(prompts, teacher, done), "fit_s": fit_s})
                 verdicts["students"][str(n)]["after"][str(seed)] = all_four(done[1], prompts)
                 print(f"{n} steps, seed {seed}: {after[-1]}", flush=True)

@@ -17,7 +17,10 @@ student adds the non-saturating loss of its x̂0 through the frozen critic and h
 ``train/gan_to_dmd_grad`` logs that term's pull on x̂0 against DMD's (their gradient norms there, weights included:
 whether the GAN term does anything at the weights given). With ``regression.weight`` > 0, the first DMD's
 regression loss: the student's first step maps a teacher pair's noise to the teacher's sample from it (both terms'
-settings: ``modules/distill/args.py``). Math: docs/methods.md#dmd2, ``modules/distill/losses.py``.
+settings: ``modules/distill/args.py``). An image-to-video student, critic and teacher (``wan22_ti2v_i2v``,
+``wan_i2v``) read each row's first frame from the batch (``first_frames``): every rollout, score, critic update and
+teacher sample is conditioned on it (``configs/dmd2_wan22_ti2v.yaml``). Math: docs/methods.md#dmd2,
+``modules/distill/losses.py``.
 
 **Self-Forcing** (Huang et al. 2025, "Self Forcing: Bridging the Train-Test Gap in Autoregressive Video Diffusion",
 reference ``guandeh17/Self-Forcing``, ``pipeline/self_forcing_training.py``; docs/methods.md#self-forcing) is this
@@ -43,7 +46,6 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from posttrain.lit.base import ExpertModule, RunArgs
 from posttrain.modules.models.cards import ModelCard
-from posttrain.modules.models.generators import ADAPTERS
 from posttrain.modules.flow.conditioning import Conditioning
 from posttrain.modules.distill.args import GANArgs, RegressionArgs
 from posttrain.modules.distill.gan import HEAD, attach_head, block_features, frozen, pooled_text, tapped
@@ -125,8 +127,8 @@ class DMD2(ExpertModule):
         self.ema_decay = ema_decay
         self.real_guidance_scale, self.real_guidance_rescale = real_guidance_scale, real_guidance_rescale
         self.real_guidance_interval = tuple(real_guidance_interval) if real_guidance_interval is not None else None
-        # (prompt, j) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
-        self._teacher_bank: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (prompt, j, first frame's digest) -> the teacher's (noise, sample), each (C, F, h, w): see teacher_pairs
+        self._teacher_bank: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def critic_gan(self) -> bool:  # the GAN head reads the critic's features (the student's GAN loss through it)
@@ -143,9 +145,11 @@ class DMD2(ExpertModule):
         prompts = list(batch["prompt"])
         # global_step counts iterations (callbacks.IterationCounter): the student trains on 0, N, 2N, ...
         update_student = self.global_step % self.generator_update_ratio == 0
-        # 1. conditioning; the empty prompt's for the teacher's CFG
-        cond = self.stage.condition(prompts, self.device)
-        uncond = self.stage.condition([""] * len(prompts), self.device)
+        # 1. conditioning; the empty prompt's for the teacher's CFG. Image-to-video: both hold each row's first frame
+        #    (its image, its video's, or its cached latents'), which every score and sample below then reads
+        first = self.first_frames(batch)
+        cond = self.condition_batch(batch, prompts, self.video)
+        uncond = self.condition_batch(batch, [""] * len(prompts), self.video)
         # the GAN head's real samples when they are the data's (first: data without clips fails before any step)
         data_reals = self.data_reals(batch) if self.gan.enabled and self.gan.reals == "data" else None
 
@@ -162,7 +166,8 @@ class DMD2(ExpertModule):
                 x0 = self.stage.sample(self.sampler, noise.to(self.device), cond, uncond, name=self.student,
                                        exit_step=exit_step, rng=self.generator).latents
             else:
-                x0 = self.student_x0_from(self.teacher_samples(prompts), noise.to(self.device), exit_step, cond)
+                x0 = self.student_x0_from(self.teacher_samples(prompts, first), noise.to(self.device), exit_step,
+                                          cond)
 
         # 3. student, every N-th iteration: DMD gradient (fake - real) / mean|x̂0 - real| at a random σ;
         #    teacher (its sampler's CFG) and critic run without grad, the loss reaches the student only. With the
@@ -199,7 +204,7 @@ class DMD2(ExpertModule):
             loss = per_sample.mean() + self.gan.generator_weight * gan_loss.to(per_sample).mean()
             if self.regression.applies(self.global_step):  # onto teacher pairs (DMD's first step, or every step:
                 # ODE regression), until its warm-up ends
-                regression = self.regression_loss(prompts, cond, uncond)
+                regression = self.regression_loss(prompts, cond, uncond, first)
                 loss = loss + self.regression.weight * regression.to(per_sample).mean()
                 self.log(f"train/regression_loss/{self.student}", regression.detach().mean(), on_step=True)
             self.step_experts(loss, [self.student])
@@ -221,7 +226,7 @@ class DMD2(ExpertModule):
         critic_loss = flow_matching_loss(v, sample, eps)[0].mean()
         losses = [lambda: critic_loss]
         if self.gan.enabled:
-            real = self.teacher_samples(prompts) if data_reals is None else data_reals
+            real = self.teacher_samples(prompts, first) if data_reals is None else data_reals
             # the head's noise, drawn on pixels too though unread there (the stream the measured figures used)
             sigma = self.score_sigmas(2 * len(prompts))
             eps = torch.randn((2 * len(prompts), *sample.shape[1:]), generator=self.generator).to(sample)
@@ -238,10 +243,10 @@ class DMD2(ExpertModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Latent MSE of the served student to the teacher's many-step CFG sample from the same noise (seed =
         batch index): a cheap proxy of "closer to the teacher", comparable across the run."""
-        prompts = list(batch["prompt"])
-        student = self.generate(prompts, seed=batch_idx, latents_only=True)
+        prompts, first = list(batch["prompt"]), self.first_frames(batch)
+        student = self.generate(prompts, seed=batch_idx, latents_only=True, **first)
         noise = torch.randn(student.shape, generator=torch.Generator().manual_seed(batch_idx)).to(self.device)
-        cond, uncond = self.conditioning(prompts, self.teacher_sampler)
+        cond, uncond = self.conditioning(prompts, self.teacher_sampler, **first)
         teacher = self.stage.sample(self.teacher_sampler, noise, cond, uncond, name=self.teacher).latents
         self.log("val/latent_mse_to_teacher", (student - teacher).pow(2).mean(), prog_bar=True,
                  batch_size=len(prompts), sync_dist=True)
@@ -251,11 +256,6 @@ class DMD2(ExpertModule):
                   real_guidance_scale, real_guidance_rescale, real_guidance_interval) -> list[str]:
         """Every configuration problem but the student's steps, collected before anything is built."""
         problems = self.card_problems("dmd2", trains=(self.student,))
-        arch = self.stage.arch
-        if arch in ADAPTERS and ADAPTERS[arch].takes_image:  # its rollouts, scores and critic read the prompt alone
-            problems.append(f"dmd2 distills from text alone, but {self.student!r} has arch {arch!r}, which generates "
-                            f"from a first frame: distill a text-to-video generator (Wan 2.2 TI2V: `arch: wan22_ti2v`, "
-                            f"the same weights, for the student, the critic and the teacher)")
         problems += self.stage.peer_problems(self.critic, "the fake score", trainable=True,
                                              hint="; add a trainable `critic` expert, e.g. `init_from: teacher`")
         problems += self.stage.peer_problems(self.teacher, "the real score", trainable=False,
@@ -292,13 +292,13 @@ class DMD2(ExpertModule):
                             f"low < high: the σ where the real score is guided (e.g. [0.22, 0.84]; null = every σ)")
         return problems
 
-    def regression_loss(self, prompts: list[str], cond, uncond) -> torch.Tensor:
+    def regression_loss(self, prompts: list[str], cond, uncond, first: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B,) latent MSE of the student's x̂0 to a teacher pair's sample, one pair drawn per prompt: from the
         pair's noise through the student's first step (``regression.steps: first``, as it serves: a block-causal
         student's chunk by chunk through its KV cache), or from a random step on the pair's sample noised by its
         noise (``every``: ODE regression). With the caller's grad."""
         pairs = torch.randint(self.regression.pairs, (len(prompts),), generator=self.generator).tolist()
-        noise, target = self.teacher_pairs(prompts, pairs)
+        noise, target = self.teacher_pairs(prompts, pairs, first)
         if self.regression.steps == "first":
             x0_hat = self.stage.sample(self.sampler, noise, cond, uncond, name=self.student, exit_step=0,
                                        rng=self.generator).latents
@@ -359,10 +359,10 @@ class DMD2(ExpertModule):
             v = self.sampler.velocity(run, x, schedule.timesteps[step], cond)
         return x0_from_velocity(x, v, sigma)
 
-    def teacher_samples(self, prompts: list[str]) -> torch.Tensor:
-        """(B, C, F, h, w) one teacher sample per prompt (its pair 0, ``teacher_pairs``): the GAN's real samples and,
-        without backward simulation, the student's inputs."""
-        return self.teacher_pairs(prompts, [0] * len(prompts))[1]
+    def teacher_samples(self, prompts: list[str], first: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """(B, C, F, h, w) one teacher sample per prompt (and first frame: ``first_frames``; its pair 0,
+        ``teacher_pairs``): the GAN's real samples and, without backward simulation, the student's inputs."""
+        return self.teacher_pairs(prompts, [0] * len(prompts), first)[1]
 
     @torch.no_grad()
     def data_reals(self, batch: dict) -> torch.Tensor:
@@ -378,23 +378,38 @@ class DMD2(ExpertModule):
         return real
 
     @torch.no_grad()
-    def teacher_pairs(self, prompts: list[str], pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(noise, sample), each (B, C, F, h, w): pair ``pairs[i]`` of prompt ``prompts[i]``, the teacher's sample
-        (its sampler: many steps, CFG) from that noise. Drawn once, one at a time, from noise seeded by the prompt's
-        text, the pair's index and ``run.seed`` (its own stream: the run's noise is not drawn from), so the same
-        pair is always the same and a resumed run recomputes exactly what it had. DMD's regression loss maps noise
-        to sample (the teacher's ODE); pair 0 is also the GAN's real sample of the prompt."""
-        for prompt, j in dict.fromkeys(zip(prompts, pairs)):
-            if (prompt, j) not in self._teacher_bank:
-                text = prompt if j == 0 else f"{prompt}\x00{j}"
+    def teacher_pairs(self, prompts: list[str], pairs: list[int], first: Optional[dict[str, torch.Tensor]] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(noise, sample), each (B, C, F, h, w): pair ``pairs[i]`` of prompt ``prompts[i]`` (and, image-to-video, of
+        its first frame: row i of ``first``, ``first_frames``), the teacher's sample (its sampler: many steps, CFG)
+        from that noise. Drawn once, one at a time, from noise seeded by the prompt's text, the first frame's bytes,
+        the pair's index and ``run.seed`` (its own stream: the run's noise is not drawn from), so the same pair is
+        always the same and a resumed run recomputes exactly what it had. DMD's regression loss maps noise to sample
+        (the teacher's ODE); pair 0 is also the GAN's real sample of the prompt."""
+        first = first or {}
+        rows = [{key: value[i:i + 1] for key, value in first.items()} for i in range(len(prompts))]
+        keys = [(prompt, j, frame_digest(row)) for prompt, j, row in zip(prompts, pairs, rows)]
+        for (prompt, j, image), row in dict(zip(keys, rows)).items():
+            if (prompt, j, image) not in self._teacher_bank:
+                text = (prompt if j == 0 else f"{prompt}\x00{j}") + (f"\x01{image}" if image else "")
                 digest = int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
                 rng = torch.Generator().manual_seed(self.run.seed * 1_000_003 + digest)
                 noise = torch.randn((1, *self.stage.latent_shape(self.video)), generator=rng).to(self.device)
-                cond, uncond = self.conditioning([prompt], self.teacher_sampler)
+                cond, uncond = self.conditioning([prompt], self.teacher_sampler, **row)
                 sample = self.stage.sample(self.teacher_sampler, noise, cond, uncond, name=self.teacher, rng=rng)
-                self._teacher_bank[prompt, j] = (noise[0], sample.latents[0])
-        chosen = [self._teacher_bank[key] for key in zip(prompts, pairs)]
+                self._teacher_bank[prompt, j, image] = (noise[0], sample.latents[0])
+        chosen = [self._teacher_bank[key] for key in keys]
         return torch.stack([n for n, _ in chosen]), torch.stack([x for _, x in chosen])
+
+
+def frame_digest(first: dict[str, torch.Tensor]) -> str:
+    """A short digest of one row's first frame as ``first_frames`` gives it (the image, or the cached clip latents
+    it is read off): its bytes, which key the teacher's pairs of an image-to-video generator; "" for a generator
+    that reads no image."""
+    digest = hashlib.sha256()
+    for key, value in sorted(first.items()):
+        digest.update(key.encode() + value.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16] if first else ""
 
 
 def student_steps_problems(sampler: FlowMatchSampler, steps: int) -> list[str]:

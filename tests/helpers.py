@@ -152,19 +152,22 @@ def late_windows(videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
 
 def fit_shipped_config_once(config: str, folder, data: Optional[dict] = None) -> None:
     """``posttrain fit --config configs/<config>`` in this process for one iteration on ``data`` (a class_path and
-    init_args; default: 4 synthetic clips for a finetune config, 2 synthetic prompts for an RL one), no validation and
-    no logger (a second W&B run in one process would join the first one's); its last checkpoint is written under
-    ``folder``."""
+    init_args; default: 4 synthetic clips for a finetune config or one on synthetic clips, 2 synthetic prompts for
+    another), no validation and no logger (a second W&B run in one process would join the first one's); its last
+    checkpoint is written under ``folder``."""
     import json
+
+    import yaml
 
     from posttrain.lit.tools.cli import main
 
-    if data is None:
-        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}} \
-            if config.startswith("finetune") else {"class_path": "Prompts", "init_args": {"num_synthetic": 2,
-                                                                                        "batch_size": 1}}
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if data is None:
+        with open(os.path.join(root, "configs", config)) as f:
+            clips = config.startswith("finetune") or yaml.safe_load(f)["data"]["class_path"] == "SyntheticVideos"
+        data = {"class_path": "SyntheticVideos", "init_args": {"num_samples": 4, "batch_size": 2}} if clips \
+            else {"class_path": "Prompts", "init_args": {"num_synthetic": 2, "batch_size": 1}}
+
     main(["fit", "--config", os.path.join(root, "configs", config), "--trainer.max_steps", "1",
           "--trainer.default_root_dir", str(folder), "--trainer.limit_val_batches", "0",
           "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
@@ -172,11 +175,12 @@ def fit_shipped_config_once(config: str, folder, data: Optional[dict] = None) ->
     assert os.path.exists(os.path.join(folder, "checkpoints", "last.ckpt"))
 
 
-def dmd2_steps_student_and_critic_twice(module, prompts: list[str]) -> None:
+def dmd2_steps_student_and_critic_twice(module, prompts: list[str], data=None) -> None:
     """Two DMD2 iterations of ``module`` (student ``transformer`` and ``critic`` from the frozen ``teacher`` by
-    ``init_from``, the student stepping every iteration) on ``prompts``: student and critic start as the teacher, both
-    move and reach version 2, the teacher stays bit for bit at version 0, the losses and the DMD gradient are finite,
-    and the metrics follow the one naming scheme."""
+    ``init_from``, the student stepping every iteration) on ``prompts`` (or on ``data``, a datamodule: an
+    image-to-video student's captioned clips): student and critic start as the teacher, both move and reach version 2,
+    the teacher stays bit for bit at version 0, the losses and the DMD gradient are finite, and the metrics follow the
+    one naming scheme."""
     from posttrain.datamodules.prompts import Prompts
 
     card = module.card
@@ -184,9 +188,9 @@ def dmd2_steps_student_and_critic_twice(module, prompts: list[str]) -> None:
     names = ("teacher", "transformer", "critic")
     before = {name: {k: v.detach().clone() for k, v in card[name].state_dict().items()} for name in names}
     for name in ("transformer", "critic"):  # init_from
-        assert all(torch.equal(before["teacher"][k], v) for k, v in before[name].items()), name
+        assert all(torch.equal(v, before[name][k]) for k, v in before["teacher"].items()), name  # (and a GAN head)
     trainer = quick_trainer(2, log_every_n_steps=1)
-    trainer.fit(module, Prompts(prompts=prompts, batch_size=2))
+    trainer.fit(module, data or Prompts(prompts=prompts, batch_size=2))
     after = {name: card[name].state_dict() for name in names}
     assert all(torch.equal(before["teacher"][k], v) for k, v in after["teacher"].items())
     for name in ("transformer", "critic"):

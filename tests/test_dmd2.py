@@ -359,7 +359,7 @@ def test_backward_simulation_feeds_the_student_its_own_rollout():
     own = dmd2(ratio=1)
     own.configure_model()
     shape = own.stage.latent_shape(own.video)
-    sentinel = {(p, 0): (torch.zeros(shape), torch.full(shape, 50.0)) for p in prompts().prompt_list()}
+    sentinel = {(p, 0, ""): (torch.zeros(shape), torch.full(shape, 50.0)) for p in prompts().prompt_list()}
     own._teacher_bank = dict(sentinel)
     rollouts = student_inputs(own, 6)
     chained = 0
@@ -521,7 +521,7 @@ def test_data_reals_are_the_batchs_clips_through_the_vae(monkeypatch):
             heads.append(x.detach().clone())
         return real_noised(x, eps, sigma)
 
-    def no_teacher_samples(prompts):
+    def no_teacher_samples(prompts, first=None):
         raise AssertionError("gan.reals: data drew teacher samples")
 
     module.training_step = training_step
@@ -562,8 +562,8 @@ def test_a_pixel_head_reads_the_decoded_clips_and_the_student_learns_through_the
     module.gan_head.register_forward_hook(lambda _m, args, _out: reads.append(args[0].detach().clone()))
     real_teacher_samples = module.teacher_samples
 
-    def teacher_samples(prompts):
-        sample = real_teacher_samples(prompts)
+    def teacher_samples(prompts, first=None):
+        sample = real_teacher_samples(prompts, first)
         reals.append(module.stage.decode(sample))
         return sample
 
@@ -1038,7 +1038,8 @@ def distill_bench():
 def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int = 16):
     """``config`` for ``steps`` iterations in this process; the student's samples of seen-concept prompts
     measured against the teacher's many-step CFG samples of the same prompts and noise before and after
-    (experiments/distill.py's measure). Returns (module, before, after, student weights before)."""
+    (experiments/distill.py's measure; image-to-video, each prompt from the first frame of a clip of it). Returns
+    (module, before, after, student weights before)."""
     from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
 
     distill = distill_bench()
@@ -1047,13 +1048,14 @@ def fit_and_measure(config: str, tmp_path, steps: int, *args: str, prompts: int 
     module = cli.model
     data = ShapesDataset(prompts, 1, 8, 8, seed=5, exclude=PRETRAIN_EXCLUDE)
     captions = [data[i]["prompt"] for i in range(prompts)]
-    teacher = samples(module, captions, module.teacher_sampler, "teacher", 8)
-    before = closeness(captions, teacher, samples(module, captions, module.sampler, "transformer", 8))
+    images = distill.first_frames(module, captions, seed=5)
+    teacher = samples(module, captions, module.teacher_sampler, "teacher", 8, images=images)
+    before = closeness(captions, teacher, samples(module, captions, module.sampler, "transformer", 8, images=images))
     start = weights(module, "transformer")
     module.train()
     cli.trainer.fit(module, datamodule=cli.datamodule)
     module.eval()
-    after = closeness(captions, teacher, samples(module, captions, module.sampler, "transformer", 8))
+    after = closeness(captions, teacher, samples(module, captions, module.sampler, "transformer", 8, images=images))
     return module, before, after, start
 
 

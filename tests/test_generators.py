@@ -135,6 +135,29 @@ def test_flow_grpo_on_i2v_reads_first_frames_from_the_batch():
         quick_trainer(1).fit(module, Prompts(prompts=PROMPTS, batch_size=2))
 
 
+def test_dmd2_distills_a_wan_i2v_student_from_the_batchs_first_frames():
+    """DMD2 on Wan I2V (the image's latents and mask as extra channels, as its pipeline): student and critic start
+    as the frozen teacher and both step twice on captioned clips, each row conditioned on its own first frame; a
+    batch of prompts alone is refused by name."""
+    from posttrain.lit.dmd2 import DMD2
+    from tests.helpers import dmd2_steps_student_and_critic_twice
+
+    torch.manual_seed(0)
+    card = i2v_card()
+    trained = dict(trainable=True, optimizer=adamw(1e-3), init_from="teacher")
+    card = ModelCard({**card.specs, "teacher": Expert(arch="wan_i2v"),
+                      "transformer": Expert(arch="wan_i2v", **trained), "critic": Expert(arch="wan_i2v", **trained)},
+                     text_max_length=32)
+    module = DMD2(card, student_steps=2, generator_update_ratio=1,
+                  teacher_sampler=FlowMatchSampler(num_steps=4, guidance_scale=4.5),
+                  run=RunArgs(frames=5, height=16, width=16))
+    dmd2_steps_student_and_critic_twice(module, PROMPTS, SyntheticVideos(num_samples=4, batch_size=2, frames=5,
+                                                                         height=16, width=16))
+    with pytest.raises(ValueError, match=r"WanI2V \('transformer'\) generates from a first frame, but the batch holds "
+                                         r"only \['group', 'index', 'prompt'\]"):
+        quick_trainer(1).fit(module, Prompts(prompts=PROMPTS, batch_size=2))
+
+
 def test_motion_alignment_reads_the_synthetic_motion():
     """On rendered videos: about +1 for the prompt's own direction, -1 for the opposite (a shape cut by the
     frame's edge moves its centroid less)."""
