@@ -148,8 +148,7 @@ class DMD2(ExpertModule):
         # 1. conditioning; the empty prompt's for the teacher's CFG. Image-to-video: both hold each row's first frame
         #    (its image, its video's, or its cached latents'), which every score and sample below then reads
         first = self.first_frames(batch)
-        cond = self.condition_batch(batch, prompts, self.video)
-        uncond = self.condition_batch(batch, [""] * len(prompts), self.video)
+        cond, uncond = self.stage.conditioning(prompts, None, self.device, size=self.video, **first)
         # the GAN head's real samples when they are the data's (first: data without clips fails before any step)
         data_reals = self.data_reals(batch) if self.gan.enabled and self.gan.reals == "data" else None
 

@@ -247,11 +247,12 @@ class GeneratorStage:
         (``image_from_latents``)."""
         return self.conditioning(prompts, 1.0, device, images=images, size=size, latents=latents)[0]
 
-    def conditioning(self, prompts: list[str], guidance_scale: float, device: Optional[torch.device] = None, *,
-                     images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None,
+    def conditioning(self, prompts: list[str], guidance_scale: Optional[float], device: Optional[torch.device] = None,
+                     *, images: Optional[torch.Tensor] = None, size: Optional[VideoSize] = None,
                      latents: Optional[torch.Tensor] = None) -> tuple[Conditioning, Optional[Conditioning]]:
-        """``prompts``' conditioning and, when CFG is on, the empty prompt's with the same image (the
-        pipelines' negative pass swaps only the text)."""
+        """``prompts``' conditioning and, when CFG is on (``guidance_scale`` not 1; None: a method that guides at
+        scales of its own, DMD2's real score), the empty prompt's with the same image (the pipelines' negative pass
+        swaps only the text); the image is encoded once for both."""
         adapter = self.adapter
         rest = adapter.extra(self, len(prompts))
         from_latents = None
