@@ -280,11 +280,20 @@ def test_dmd2_distills_a_text_to_video_student(one_thread):
 
 
 @pytest.mark.parametrize("terms", ["dmd", "regression_gan_no_backward_simulation"])
-def test_dmd2_distills_an_image_to_video_student(terms, one_thread):
+def test_dmd2_distills_an_image_to_video_student(terms, monkeypatch, one_thread):
     """DMD2 image-to-video (student, critic and teacher ``wan22_ti2v_i2v``, batches of captioned clips whose first
     frames condition every sample and score): two iterations step student and critic twice each and move both, the
-    teacher stays bit for bit at version 0. With the regression and GAN terms on and the exit step fed a noised
-    teacher sample, the teacher's pairs are its samples from each row's first frame as well as its prompt."""
+    teacher stays bit for bit at version 0, and every forward of any of the three (the real score's empty-prompt
+    pass included) reads a first frame. With the regression and GAN terms on and the exit step fed a noised teacher
+    sample, the teacher's pairs are its samples from each row's first frame as well as its prompt."""
+    adapter = presets.architecture("wan22_ti2v_i2v").adapter
+    real_velocity, frames = adapter.velocity, []
+
+    def velocity(transformer, x, timestep, cond, **kwargs):
+        frames.append(cond.get("first_frame_latents") is not None)
+        return real_velocity(transformer, x, timestep, cond, **kwargs)
+
+    monkeypatch.setattr(adapter, "velocity", velocity)
     torch.manual_seed(0)  # the random tiny teacher
     card = distill_card("wan22_ti2v_i2v")
     others = {} if terms == "dmd" else dict(
@@ -295,6 +304,7 @@ def test_dmd2_distills_an_image_to_video_student(terms, one_thread):
                   run=RunArgs(frames=SIZE.frames, height=SIZE.height, width=SIZE.width), **others)
     data = SyntheticVideos(num_samples=4, frames=SIZE.frames, height=SIZE.height, width=SIZE.width, batch_size=2)
     dmd2_steps_student_and_critic_twice(module, PROMPTS, data)
+    assert frames and all(frames), f"{frames.count(False)} of {len(frames)} forwards without the first frame"
     if terms == "dmd":
         return
     keys = list(module._teacher_bank)  # (prompt, pair, first frame's digest): every row's image, both pairs
