@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset
+from posttrain.datamodules.synthetic import PRETRAIN_EXCLUDE, ShapesDataset, shape_start
 from posttrain.lit.tools.config import PosttrainCLI
 from posttrain.modules.eval.frechet import VideoFrechetDistance
 from posttrain.modules.world.geneval import SyntheticGenEval, judge
@@ -60,17 +60,15 @@ def samples(module, prompts: list[str], sampler, name: str, batch: int, first_se
 
 def first_frames(module, prompts: list[str], seed: int) -> Optional[torch.Tensor]:
     """(n, 3, H, W) in [-1, 1], for an image-to-video module: the first frame of a clip of each caption, drawn by the
-    world at the run's size, the shape's start seeded by ``seed`` and the row (as ``ShapesDataset`` draws it); None
-    for a module that reads no image."""
+    world at the run's size, the shape's start that of row i of ``seed``'s clips (``shape_start``); None for a module
+    that reads no image."""
     if not module.stage.takes_image:
         return None
     frames = []
     for i, prompt in enumerate(prompts):
         facts = parse_caption(prompt)
-        g = torch.Generator().manual_seed(seed * 7_919 + i)
-        start = tuple(float(v) for v in 0.25 + 0.5 * torch.rand(2, generator=g))
         frames.append(render(facts.shape, facts.colour, facts.motion, facts.background, 1, module.video.height,
-                             module.video.width, start=start)[:, 0])
+                             module.video.width, start=shape_start(seed, i))[:, 0])
     return torch.stack(frames)
 
 

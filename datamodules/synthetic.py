@@ -56,6 +56,12 @@ def shows(facts: Facts, concept: tuple[Optional[str], str]) -> bool:
     return any(getattr(facts, f) == word for f in ([fact] if fact else FACTS))
 
 
+def shape_start(seed: int, index: int) -> tuple[float, float]:
+    """Where the shape of sample ``index`` of a ``seed``'s clips starts, (x, y) as fractions of the frame."""
+    g = torch.Generator().manual_seed(seed * 7_919 + index)
+    return tuple(float(v) for v in 0.25 + 0.5 * torch.rand(2, generator=g))
+
+
 class ShapesDataset(Dataset):
     """``num_samples`` seeded (video, prompt) pairs; ``index`` picks the facts, ``seed`` the layout.
 
@@ -141,8 +147,7 @@ class ShapesDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         shape, colour, motion, background = self.facts(index)
-        g = torch.Generator().manual_seed(self.seed * 7_919 + index)
-        start = tuple(float(v) for v in 0.25 + 0.5 * torch.rand(2, generator=g))
+        start = shape_start(self.seed, index)
         speed = SPEED if self.speed is None else self.speed * max(self.frames - 1, 1)
         video = render(shape, colour, motion, background, self.frames, self.height, self.width, start=start, speed=speed)
         return batch_schema.item(caption(shape, colour, motion, background), index, video=video)
